@@ -1,0 +1,101 @@
+"""The `tandem` command line.
+
+tandem model init --preset tiny --out DIR     write a random-weight model folder
+tandem generate --model DIR --prompt TEXT     complete a prompt in this process
+tandem config check FILE                      validate a cluster config file
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from cluster.arch import ARCHITECTURES, ModelFormatError
+from cluster.config import ConfigError, load_config
+from cluster.model_builder import PRESETS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ConfigError, ModelFormatError, ValueError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    model = commands.add_parser("model", help="build model folders").add_subparsers(required=True, metavar="ACTION")
+    init = model.add_parser("init", help="write a random-weight model folder (config, weights, tokenizer)")
+    init.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="size and shape (default: tiny)")
+    init.add_argument("--arch", choices=sorted(ARCHITECTURES), default="LlamaForCausalLM", help="architecture")
+    init.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="weight dtype on disk")
+    init.add_argument("--seed", type=int, default=0, help="weight seed")
+    init.add_argument("--max-shard-mb", type=float, default=None, help="split weights into shards of this size")
+    init.add_argument("--out", required=True, help="folder to write")
+    init.set_defaults(run=_model_init)
+
+    gen = commands.add_parser("generate", help="complete a prompt with a model folder, in this process")
+    gen.add_argument("--model", required=True, help="Hugging Face model folder")
+    gen.add_argument("--prompt", required=True, help="text to complete")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(run=_generate)
+
+    config = commands.add_parser("config", help="cluster config files").add_subparsers(required=True, metavar="ACTION")
+    check = config.add_parser("check", help="validate a YAML or JSON cluster config")
+    check.add_argument("file")
+    check.set_defaults(run=_config_check)
+    return parser
+
+
+def _model_init(args: argparse.Namespace) -> None:
+    from cluster.model_builder import init_model_folder
+
+    shard = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
+    out = init_model_folder(args.out, args.preset, args.arch, args.dtype, args.seed, shard)
+    print(f"wrote {args.preset} {args.arch} ({args.dtype}) to {out}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from cluster.generate import generate
+    from cluster.loader import load_model
+    from cluster.tokenizer import Tokenizer
+
+    model = load_model(args.model, args.dtype)
+    tok = Tokenizer(args.model)
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = tok.encode(text)
+    start = time.perf_counter()
+    result = generate(
+        model,
+        [prompt],
+        args.max_tokens,
+        eos_token_ids=tok.eos_token_ids,
+        temperature=args.temperature,
+        seed=args.seed,
+    )[0]
+    elapsed = time.perf_counter() - start
+    print(args.prompt + tok.decode(result.tokens))
+    print(
+        f"[{len(prompt)} prompt tokens, {len(result.tokens)} generated, finish: {result.finish_reason}, "
+        f"{elapsed:.2f} s]",
+        file=sys.stderr,
+    )
+
+
+def _config_check(args: argparse.Namespace) -> None:
+    config = load_config(args.file)
+    print(f"{args.file}: valid (model {config.model.path}, transport {config.transfer.transport})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Tandem's configuration: one frozen pydantic model per part, composed by `ClusterConfig`.
+
+Every field is described; the descriptions are the command-line and docs help. Each component
+receives only its own part. Values measured at start-up (how many KV blocks fit, the model's
+fingerprint) go into result objects, never back into the config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read or does not validate; the message names the field."""
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelConfig(_Part):
+    path: Path = Field(description="Hugging Face model folder: config.json, *.safetensors, tokenizer.json.")
+    name: str | None = Field(default=None, description="Name clients use for the model; defaults to the folder's name.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="bfloat16", description="Element type of weights, activations and the KV cache."
+    )
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the model runs.")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="Longest prompt + completion in tokens; defaults to the model's max_position_embeddings.",
+    )
+    seed: int = Field(default=0, description="Seed for weight-independent randomness (sampling defaults).")
+
+    @property
+    def served_name(self) -> str:
+        return self.name or self.path.name
+
+
+class CacheConfig(_Part):
+    block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block.")
+    memory_gib: float = Field(default=2.0, gt=0, description="Memory given to the KV cache on each worker, in GiB.")
+    num_blocks: int | None = Field(
+        default=None, gt=0, description="Exact number of KV blocks; overrides memory_gib when set."
+    )
+    watermark: float = Field(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="Share of blocks kept free at admission so running sequences can grow without thrashing.",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Share full KV blocks between requests with the same prompt prefix."
+    )
+
+
+class SchedulerConfig(_Part):
+    max_num_seqs: int = Field(default=64, gt=0, description="Most sequences in one running batch.")
+    max_num_batched_tokens: int = Field(
+        default=2048, gt=0, description="Most tokens (prompt chunks + decode tokens) in one forward pass."
+    )
+    long_prefill_chunk: int = Field(
+        default=512,
+        gt=0,
+        description="Longest prompt chunk per step on a decode worker, so running decodes never stall long.",
+    )
+
+
+class TransferConfig(_Part):
+    transport: Literal["grpc", "collective", "local"] = Field(
+        default="grpc", description="How prefill workers ship KV caches to decode workers."
+    )
+    layers_per_chunk: int = Field(default=1, gt=0, description="Layers carried by one transfer chunk.")
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="A transfer not finished by then fails and frees its blocks."
+    )
+    lease_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a prefill worker keeps a sent KV cache waiting for the decode worker's acknowledgement.",
+    )
+
+
+class AutoscalingConfig(_Part):
+    min_replicas: int = Field(default=1, ge=0, description="Fewest workers in the pool.")
+    max_replicas: int = Field(default=1, ge=1, description="Most workers in the pool.")
+    upscale_delay_s: float = Field(
+        default=30.0, ge=0, description="How long a signal must ask for more before scaling up."
+    )
+    downscale_delay_s: float = Field(
+        default=300.0, ge=0, description="How long a signal must ask for fewer before scaling down."
+    )
+    max_step: int = Field(default=1, ge=1, description="Most replicas added or removed in one decision.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class PoolConfig(_Part):
+    replicas: int = Field(default=1, ge=0, description="Workers started with the pool.")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs each worker actor reserves.")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs each worker actor reserves.")
+    resource: str | None = Field(
+        default=None,
+        description='Custom Ray resource each worker needs (e.g. "prefill"), marking the node group it runs on.',
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="SPREAD", description="Ray placement-group strategy for the pool's workers."
+    )
+    autoscaling: AutoscalingConfig = Field(
+        default_factory=AutoscalingConfig, description="Bounds and pace of the pool's autoscaler."
+    )
+
+    @model_validator(mode="after")
+    def _replicas_in_bounds(self) -> PoolConfig:
+        lo, hi = self.autoscaling.min_replicas, self.autoscaling.max_replicas
+        if not lo <= self.replicas <= hi:
+            raise ValueError(f"replicas ({self.replicas}) outside autoscaling bounds [{lo}, {hi}]")
+        return self
+
+
+class SLOConfig(_Part):
+    ttft_s: float = Field(default=1.0, gt=0, description="Time-to-first-token target, seconds.")
+    tpot_s: float = Field(default=0.1, gt=0, description="Time-per-output-token target, seconds.")
+    window_s: float = Field(default=60.0, gt=0, description="Sliding window over which SLO attainment is computed.")
+
+
+class AuthConfig(_Part):
+    api_keys: tuple[SecretStr, ...] = Field(
+        default=(), description="Keys clients present; empty disables client authentication."
+    )
+    cluster_secret: SecretStr | None = Field(
+        default=None, description="Shared secret on internal channels (router, workers, KV transfer)."
+    )
+    tls_cert: Path | None = Field(default=None, description="PEM certificate for TLS on the public port.")
+    tls_key: Path | None = Field(default=None, description="PEM private key for tls_cert.")
+    tls_ca: Path | None = Field(default=None, description="CA bundle for mutual TLS on internal channels.")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> AuthConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be set together")
+        return self
+
+
+class RouterConfig(_Part):
+    host: str = Field(default="127.0.0.1", description="Address the public gRPC server binds.")
+    port: int = Field(default=50051, ge=0, le=65535, description="Public gRPC port (0 picks a free one).")
+    max_queued_requests: int = Field(
+        default=256, gt=0, description="Requests waiting for a worker before new ones get RESOURCE_EXHAUSTED."
+    )
+    local_prefill_max_tokens: int = Field(
+        default=64, ge=0, description="Prompts up to this many tokens are prefilled on the decode worker itself."
+    )
+    max_stop_strings: int = Field(default=16, ge=0, description="Most stop strings one request may carry.")
+
+
+class ClusterConfig(_Part):
+    model: ModelConfig = Field(description="The served model.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache on each worker.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching limits.")
+    transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between pools.")
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill worker pool.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode worker pool.")
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Credentials and TLS.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="The front door.")
+    ray_address: str | None = Field(
+        default=None, description='Ray cluster to join ("auto", "ray://host:port"); unset starts a local one.'
+    )
+
+
+def parse_config(data: Any, source: str = "config") -> ClusterConfig:
+    """Validates a mapping into a `ClusterConfig`; errors name each bad field by its dotted path."""
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid {source}:\n{_describe(e)}") from None
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Reads a YAML (`.yaml`, `.yml`) or JSON (`.json`) config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return parse_config(data, source=str(path))
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for err in error.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        lines.append(f"  {where}: {err['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Strict weight loading from a Hugging Face model folder.
+
+One table maps each Hugging Face tensor name to a parameter of `cluster.model.CausalLM` and, for
+fused projections, the row slice it fills. Loading raises, naming the tensor, on anything missing,
+extra, mis-shaped or of a non-float type: a silent partial load is the worst bug a server can have.
+Both a single `model.safetensors` and shards listed by `model.safetensors.index.json` are read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cluster.arch import ModelArch, ModelFormatError
+from cluster.model import CausalLM, rope_inv_freq
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some older checkpoints saved; they are recomputed from the config.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Target:
+    param: str  # name in CausalLM.named_parameters()
+    rows: tuple[int, int] | None = None  # half-open row range of a fused parameter
+
+
+def weight_table(arch: ModelArch) -> dict[str, Target]:
+    """Hugging Face tensor name -> where it goes in `CausalLM`."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
+    table = {
+        "model.embed_tokens.weight": Target("embed_tokens.weight"),
+        "model.norm.weight": Target("norm.weight"),
+    }
+    if not arch.tie_word_embeddings:
+        table["lm_head.weight"] = Target("lm_head.weight")
+    for i in range(arch.num_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        table[f"{hf}.input_layernorm.weight"] = Target(f"{ours}.input_layernorm.weight")
+        table[f"{hf}.post_attention_layernorm.weight"] = Target(f"{ours}.post_attention_layernorm.weight")
+        kinds = ["weight", "bias"] if arch.qkv_bias else ["weight"]
+        for kind in kinds:
+            fused = f"{ours}.self_attn.qkv_proj.{kind}"
+            table[f"{hf}.self_attn.q_proj.{kind}"] = Target(fused, (0, q))
+            table[f"{hf}.self_attn.k_proj.{kind}"] = Target(fused, (q, q + kv))
+            table[f"{hf}.self_attn.v_proj.{kind}"] = Target(fused, (q + kv, q + 2 * kv))
+        for kind in ["weight", "bias"] if arch.o_bias else ["weight"]:
+            table[f"{hf}.self_attn.o_proj.{kind}"] = Target(f"{ours}.self_attn.o_proj.{kind}")
+        for kind in ["weight", "bias"] if arch.mlp_bias else ["weight"]:
+            fused = f"{ours}.mlp.gate_up_proj.{kind}"
+            table[f"{hf}.mlp.gate_proj.{kind}"] = Target(fused, (0, inter))
+            table[f"{hf}.mlp.up_proj.{kind}"] = Target(fused, (inter, 2 * inter))
+            table[f"{hf}.mlp.down_proj.{kind}"] = Target(f"{ours}.mlp.down_proj.{kind}")
+    return table
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelFormatError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif (folder / SINGLE_FILE).exists():
+        files = [folder / SINGLE_FILE]
+    else:
+        raise ModelFormatError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    for f in files:
+        if not f.exists():
+            raise ModelFormatError(f"weight shard {f} listed in {INDEX_FILE} is missing")
+    return files
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield name, f.get_tensor(name)
+        except ModelFormatError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for a corrupt header
+            raise ModelFormatError(f"cannot read {path}: {e}") from None
+
+
+def load_weights(model: CausalLM, folder: Path) -> None:
+    """Fills every parameter of `model` from `folder`, or raises naming the first problem."""
+    table = weight_table(model.arch)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    tied_head: torch.Tensor | None = None
+    for name, tensor in iter_tensors(folder):
+        if _IGNORED.fullmatch(name):
+            continue
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            tied_head = tensor  # allowed when it repeats the embedding; checked below
+            continue
+        target = table.get(name)
+        if target is None:
+            raise ModelFormatError(f"unexpected tensor {name!r} in {folder} (not part of {model.arch.architecture})")
+        if name in seen:
+            raise ModelFormatError(f"tensor {name!r} appears twice in {folder}")
+        if not tensor.is_floating_point():
+            raise ModelFormatError(f"tensor {name!r} has non-float dtype {tensor.dtype}")
+        param = params[target.param]
+        dest = param.data if target.rows is None else param.data[target.rows[0] : target.rows[1]]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ModelFormatError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(table) - seen)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelFormatError(f"missing tensor {missing[0]!r}{more} in {folder}")
+    embedding = params["embed_tokens.weight"].data
+    if tied_head is not None and not torch.equal(tied_head.to(embedding.dtype), embedding):
+        raise ModelFormatError("lm_head.weight differs from the embedding but tie_word_embeddings is true")
+
+
+def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+    """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`."""
+    folder = Path(folder)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    arch = ModelArch.from_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    model = model.to_empty(device=device).to(DTYPES[dtype])
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty unties; tie again
+    model.inv_freq = rope_inv_freq(arch.rope, arch.head_dim).to(device)  # stays float32
+    load_weights(model, folder)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,3 @@
+"""The prefill worker: batches prompts into compute-bound forward passes, samples the first token and
+ships each prompt's KV cache to its decode worker. Imports `cluster`, never `decode_worker` or `router`.
+"""

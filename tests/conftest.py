@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random-weight models written by transformers' `save_pretrained`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=320,
+    max_position_embeddings=256,
+    # Wider than transformers' default so greedy choices are decisive and the outputs varied.
+    initializer_range=0.15,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+# name -> (config class, model class, extra config, max shard size for save_pretrained)
+HF_MODELS = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        "5GB",
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False), "40KB"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, tie_word_embeddings=False), "5GB"),
+}
+
+
+def write_hf_model(name: str, out: Path, seed: int = 0):
+    """Builds a random transformers model of family `name`, saves it to `out`, returns the model."""
+    import transformers
+
+    config_cls, model_cls, extra, shard = HF_MODELS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**TINY, **extra)
+    model = getattr(transformers, model_cls)(config).eval()
+    model.save_pretrained(out, max_shard_size=shard)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    root = tmp_path_factory.mktemp("hf_models")
+    return {name: (root / name, write_hf_model(name, root / name)) for name in HF_MODELS}
