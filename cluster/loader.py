@@ -141,3 +141,13 @@ def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") 
     model.inv_freq = rope_inv_freq(arch.rope, arch.head_dim).to(device)  # stays float32
     load_weights(model, folder)
     return model.eval().requires_grad_(False)
+
+
+def export_weights(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The inverse of `load_weights`: `model`'s parameters under their Hugging Face names."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for name, target in weight_table(model.arch).items():
+        tensor = params[target.param].detach()
+        out[name] = (tensor if target.rows is None else tensor[target.rows[0] : target.rows[1]]).contiguous()
+    return out
