@@ -1,0 +1,210 @@
+"""Iteration-level scheduling (continuous batching). Pure Python, no torch.
+
+Each step:
+
+    plan = scheduler.schedule()                 # which tokens of which requests run, with block tables
+    output = runner.execute(plan)               # the model runs the plan, samples one token per row
+    finished = scheduler.update(plan, output)   # counts computed tokens, appends samples, finishes
+
+`schedule()` first gives every running request its next tokens (one for a decoding request, a chunk
+for one still catching up with its prompt), oldest first, then admits waiting requests in arrival
+order while blocks, `max_num_seqs` and the `max_num_batched_tokens` budget allow. No request's
+chunk is longer than `long_prefill_chunk`, so a long prompt never stalls running decodes for long.
+When a running request cannot get a block, the most recently admitted request is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig
+from decode_worker.block_manager import BlockManager
+from decode_worker.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # positions [start, start + num_new) are computed this step
+    num_new: int
+    block_table: tuple[int, ...]
+    samples: bool  # the chunk reaches the request's last token, so its logits pick the next one
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._arrivals = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        limit = self.max_model_len
+        if limit is not None and request.num_prompt_tokens + request.params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.params.max_tokens}) "
+                f"exceeds the context window ({limit})"
+            )
+        total = request.num_prompt_tokens + request.params.max_tokens
+        usable = (self.blocks.num_blocks - self.blocks.watermark_blocks) * self.blocks.block_size
+        if total > usable:
+            raise ValueError(f"prompt + max_tokens ({total} tokens) exceeds this worker's KV cache ({usable} tokens)")
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        request.status = Status.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finishes a request at once and frees its blocks; unknown or finished ids return None."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, "abort")
+        return request
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """Finishes a running request for a reason found outside (a stop string)."""
+        if (request := self.requests.get(request_id)) is not None:
+            self._finish(request, reason)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunk_limit = self.config.long_prefill_chunk
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        for request in list(self.running):
+            if request.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_limit)
+            end = request.num_computed_tokens + n
+            while not self.blocks.can_append(request.request_id, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                continue
+            self.blocks.append(request.request_id, end)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            if not self.blocks.can_allocate(tokens):
+                break
+            cached = self.blocks.allocate(request.request_id, tokens)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached
+            request.num_computed_tokens = cached
+            request.status = Status.RUNNING
+            self.waiting.popleft()
+            self.running.append(request)
+            n = min(request.num_tokens - cached, budget, chunk_limit)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+        self.stats.num_steps += 1
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
+        """Applies a step's output; returns the requests that gained a token or finished."""
+        changed = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = chunk.start + chunk.num_new
+            self.blocks.mark_computed(request.request_id, request.all_token_ids[: request.num_computed_tokens])
+            if not chunk.samples:
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(token)
+            changed.append(request)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+        return changed
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        table = tuple(self.blocks.block_table(request.request_id))
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, n, table, samples=start + n == request.num_tokens)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if num_out >= params.max_tokens:
+            return "length"
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request.request_id)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        self.blocks.free(request.request_id)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
