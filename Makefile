@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_MODEL := .cache/demo-model
+DEMO_MODEL := models/tandem-demo-code
 PROMPT ?= def fibonacci(n):
 
 .PHONY: run test lint proto clean
@@ -15,11 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
-$(DEMO_MODEL)/config.json: $(STAMP)
-	$(VENV)/bin/tandem model init --preset tiny --out $(DEMO_MODEL)
-
-run: $(STAMP) $(DEMO_MODEL)/config.json
-	$(VENV)/bin/tandem generate --model $(DEMO_MODEL) --prompt '$(PROMPT)' --max-tokens 32
+run: $(STAMP)
+	$(VENV)/bin/tandem generate --model $(DEMO_MODEL) --prompt '$(PROMPT)' --max-tokens 48
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -32,4 +29,4 @@ proto: $(STAMP)
 	PYTHON=$(PY) scripts/gen_proto.sh
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV)

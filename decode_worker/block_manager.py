@@ -10,9 +10,10 @@ Lifecycle of a sequence's blocks:
 Blocks are reference-counted. A full block whose KV has been computed is keyed by a chained hash
 of its tokens (the hash of the previous block and its own token ids), so sequences with an equal
 prompt prefix share those blocks. A lookup never covers a sequence's last token, so the position a
-step computes always lands in a block of its own. A freed block keeps its contents and hash while it sits in the free queue; it is reused by
-a later hit, or evicted (least recently freed first) when a fresh block is needed. Sequences free
-their blocks tail first, so a prompt's shared head outlives its private tail.
+step computes always lands in a block of its own. A freed block keeps its contents and hash while
+it sits in the free queue; it is reused by a later hit, or evicted (least recently freed first)
+when a fresh block is needed. Sequences free their blocks tail first, so a prompt's shared head
+outlives its private tail.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_shared_prefix_is_reused_and_ref_counted():
     assert bm.allocate("early", prompt) == 0  # nothing is shared before its KV is computed
     bm.free("early")
     bm.mark_computed("a", prompt)
-    assert bm.allocate("b", prompt[:8] + [99, 98, 97]) == 8
+    assert bm.allocate("b", [*prompt[:8], 99, 98, 97]) == 8
     assert bm.block_table("a")[:2] == bm.block_table("b")[:2]
     assert bm.block_table("a")[2] != bm.block_table("b")[2]
     assert bm.num_free_blocks == 16 - 4
@@ -80,7 +80,7 @@ def test_eviction_takes_least_recently_freed_and_tail_first():
     bm.allocate("z", [70, 71])  # must evict: the tail goes, the head survives
     assert bm.block_table("z") == [tail]
     bm.free("x")
-    assert bm.allocate("b", list(range(4)) + [9]) == 4  # head still cached
+    assert bm.allocate("b", [0, 1, 2, 3, 9]) == 4  # head still cached
     assert bm.block_table("b")[0] == head
     bm.check_integrity()
 
