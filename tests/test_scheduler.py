@@ -159,12 +159,10 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
     for _ in range(300):
         op = rng.random()
         if op < 0.2:
-            try:
+            with contextlib.suppress(ValueError):
                 s.add(
                     req(f"r{next_id}", rng.randint(1, 20), max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
                 )
-            except ValueError:
-                pass
             next_id += 1
         elif op < 0.25 and s.requests:
             s.abort(rng.choice(list(s.requests)))
