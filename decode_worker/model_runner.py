@@ -1,0 +1,46 @@
+"""Executes a `StepPlan` on the model: builds the flat batch, runs one forward pass, samples.
+
+The runner owns the paged KV cache (one preallocated key and value tensor per layer) and knows
+nothing about scheduling: it computes exactly the token ranges the plan names and samples one
+token for each chunk that reaches its request's last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.model import CausalLM
+from decode_worker.sampler import Sampler, SampleResult, SampleRow
+from decode_worker.scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+        arch = model.arch
+        self.model = model
+        self.block_size = block_size
+        self.device = model.embed_tokens.weight.device
+        self.kv_cache = allocate_kv_cache(
+            arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+            model.embed_tokens.weight.dtype, self.device,
+        )  # fmt: skip
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, rows: Sequence[SampleRow]) -> SampleResult:
+        """Runs `plan`; `rows` describe, in plan order, the chunks whose `samples` is true."""
+        chunks, input_ids = [], []
+        for c in plan.chunks:
+            chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
+            input_ids.extend(c.request.all_token_ids[c.start : c.start + c.num_new])
+        meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
+        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        if not sampling:
+            return SampleResult([], None, None)
+        logits = self.model.compute_logits(hidden[meta.last_token_index[sampling]])
+        return self.sampler(logits.cpu(), rows)
