@@ -64,13 +64,15 @@ def build_attention_metadata(
     block_size: int,
     windows: set[int | None] | frozenset[int | None] = frozenset({None}),
     device: torch.device | str = "cpu",
+    min_blocks: int = 1,
 ) -> AttentionMetadata:
-    """Builds the per-pass tensors; `windows` are the sliding windows the model's layers use."""
+    """Builds the per-pass tensors; `windows` are the sliding windows the model's layers use.
+    Block tables are padded to at least `min_blocks` columns (compiled graphs keep one shape class)."""
     if not chunks:
         raise ValueError("a forward pass needs at least one sequence")
     max_new = max(c.num_new for c in chunks)
     max_ctx = max(c.num_cached + c.num_new for c in chunks)
-    max_blocks = -(-max_ctx // block_size)
+    max_blocks = max(-(-max_ctx // block_size), min_blocks)
     positions, slots, query_index, last = [], [], [], []
     tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
     q_pos = torch.zeros(len(chunks), max_new, dtype=torch.long)  # padded rows look at position 0 only
@@ -115,27 +117,56 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:  # [T, heads * head_dim]
+    """Writes k, v into their cache slots, then attends each query to its sequence's cached keys."""
     k_cache, v_cache = kv
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    # Write this pass's keys and values into their slots.
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    return torch.ops.tandem.paged_attention(
+        q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.query_index,
+        meta.masks[window], meta.max_new, scale,
+    )  # fmt: skip
 
-    num_seqs, max_blocks = meta.block_tables.shape
+
+# A custom op, so that torch.compile treats attention (which mutates the cache in place and whose
+# shapes vary with context length) as one opaque call and compiles everything around it.
+@torch.library.custom_op("tandem::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_index: torch.Tensor,
+    mask: torch.Tensor,
+    max_new: int,
+    scale: float,
+) -> torch.Tensor:
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    num_seqs, max_blocks = block_tables.shape
     ctx = max_blocks * block_size
     # Gather each sequence's blocks: [S, max_blocks, block_size, kv_heads, hd] -> [S, kv_heads, ctx, hd]
-    keys = k_cache[meta.block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[meta.block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache[block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
 
     heads = q.shape[1]
-    # Scatter the flat queries into [S, max_new, heads, hd] -> [S, heads, max_new, hd]
-    padded = q.new_zeros(num_seqs * meta.max_new, heads, head_dim)
-    padded.index_copy_(0, meta.query_index, q)
-    padded = padded.view(num_seqs, meta.max_new, heads, head_dim).transpose(1, 2)
+    if max_new == 1:  # decode: one query per sequence, already in order
+        padded = q.view(num_seqs, 1, heads, head_dim).transpose(1, 2)
+    else:  # scatter the flat queries into [S, max_new, heads, hd] -> [S, heads, max_new, hd]
+        padded = q.new_zeros(num_seqs * max_new, heads, head_dim)
+        padded.index_copy_(0, query_index, q)
+        padded = padded.view(num_seqs, max_new, heads, head_dim).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
-        padded, keys, values, attn_mask=meta.masks[window], scale=scale, enable_gqa=heads != kv_heads
+        padded, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
     )
     # [S, heads, max_new, hd] -> [S * max_new, heads * hd] -> [T, heads * hd]
-    out = out.transpose(1, 2).reshape(num_seqs * meta.max_new, heads * head_dim)
-    return out.index_select(0, meta.query_index)
+    out = out.transpose(1, 2).reshape(num_seqs * max_new, heads * head_dim)
+    return out if max_new == 1 else out.index_select(0, query_index)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_index, mask, max_new, scale):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

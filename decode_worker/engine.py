@@ -69,12 +69,14 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         max_model_len: int | None = None,
         seed: int = 0,
+        compile_buckets: Sequence[int] = (),
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
         blocks = BlockManager(self.num_blocks, cache.block_size, cache.watermark, cache.enable_prefix_caching)
         max_len = min(max_model_len or model.arch.max_position_embeddings, model.arch.max_position_embeddings)
         self.scheduler = Scheduler(scheduler, blocks, eos_token_ids, max_len)
-        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed))
+        sampler = Sampler(model.arch.vocab_size, seed)
+        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compile_buckets)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self._streams: dict[str, _Stream] = {}

@@ -13,21 +13,26 @@ import torch
 
 from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.model import CausalLM
+from decode_worker.compiled import CompiledDecode
 from decode_worker.sampler import Sampler, SampleResult, SampleRow
 from decode_worker.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler, compile_buckets: Sequence[int] = ()
+    ) -> None:
         arch = model.arch
         self.model = model
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
+        # One block past the block manager's range: the scratch block that compiled padding rows use.
         self.kv_cache = allocate_kv_cache(
-            arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+            arch.num_layers, num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim,
             model.embed_tokens.weight.dtype, self.device,
         )  # fmt: skip
         self.sampler = sampler
+        self.compiled = CompiledDecode(model, compile_buckets, block_size, num_blocks) if compile_buckets else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, rows: Sequence[SampleRow]) -> SampleResult:
@@ -35,7 +40,10 @@ class ModelRunner:
         chunks, input_ids = [], []
         for c in plan.chunks:
             chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
-            input_ids.extend(c.request.all_token_ids[c.start : c.start + c.num_new])
+            input_ids.extend(c.request.token_ids(c.start, c.start + c.num_new))
+        decode_only = all(c.num_new == 1 and c.samples for c in plan.chunks)
+        if self.compiled is not None and decode_only and self.compiled.fits(len(chunks)):
+            return self.sampler(self.compiled(input_ids, chunks, self.kv_cache).cpu(), rows)
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)

@@ -157,8 +157,9 @@ class Scheduler:
             request = chunk.request
             if request.status is not Status.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.start + chunk.num_new
-            self.blocks.mark_computed(request.request_id, request.all_token_ids[: request.num_computed_tokens])
+            request.num_computed_tokens = end = chunk.start + chunk.num_new
+            if end // self.blocks.block_size > chunk.start // self.blocks.block_size:  # a block filled up
+                self.blocks.mark_computed(request.request_id, request.token_ids(0, end))
             if not chunk.samples:
                 continue
             token = sampled[request.request_id]

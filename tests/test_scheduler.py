@@ -181,3 +181,11 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
         s.blocks.check_integrity()
     assert s.blocks.num_free_blocks == s.blocks.num_blocks
     assert all(r.finish_reason in {"stop", "length"} for r in done.values())
+
+
+def test_token_slices_match_the_full_list():
+    r = Request("x", [1, 2, 3, 4], SamplingParams())
+    r.output_token_ids += [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert r.token_ids(start, end) == r.all_token_ids[start:end]

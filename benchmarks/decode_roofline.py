@@ -1,0 +1,284 @@
+"""Decode against the memory roofline, with transformers measured side by side in the same run.
+
+    .venv/bin/python benchmarks/decode_roofline.py [--quick] [--device cuda]
+
+1. Floors of this machine, measured now: memory read bandwidth (a large float32 `sum`) and the
+   matrix-multiply rate in the model's dtype.
+2. For the `smollm-135m` preset (random weights) in float32 and bfloat16, with a 512-token context:
+   Tandem's decode step at batch 1, 4, 16 and 64 — bytes each step must read (weights + KV cache),
+   achieved bandwidth and fraction of the roofline — and transformers' `generate` per-token time at
+   batch 1 and at static batch 16.
+3. A mixed workload of 64 requests (prompts 32-512 tokens, outputs 16-256): Tandem's engine
+   (continuous batching) against transformers' static batches of 16, output tokens per second.
+
+Prints a table and writes `benchmarks/results/decode_roofline.{json,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster.config import CacheConfig, SchedulerConfig  # noqa: E402
+from cluster.loader import load_model  # noqa: E402
+from cluster.model_builder import init_model_folder  # noqa: E402
+from decode_worker.engine import Engine  # noqa: E402
+from decode_worker.request import Request, SamplingParams  # noqa: E402
+from decode_worker.sampler import SampleRow  # noqa: E402
+from decode_worker.scheduler import ScheduledChunk, StepPlan  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CONTEXT = 512
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, repeat: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_bandwidth(device: str) -> float:
+    x = torch.ones(256 * 2**20 // 4 * (8 if device == "cuda" else 1), dtype=torch.float32, device=device)
+    times = timed(lambda: x.sum(), device, repeat=15)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def measure_matmul(dtype: torch.dtype, device: str) -> float:
+    n = 2048 if device == "cpu" else 8192
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    times = timed(lambda: a @ b, device, repeat=5)
+    return 2 * n**3 / statistics.median(times)
+
+
+def step_bytes(model, batch: int, context: int) -> tuple[int, int]:
+    """Bytes one decode step must read: every weight except the embedding table (only `batch`
+    rows of it), plus the KV cache of every sequence; and the step's matmul FLOPs."""
+    arch = model.arch
+    elt = model.embed_tokens.weight.element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    if arch.tie_word_embeddings:
+        weights += model.embed_tokens.weight.numel()  # the LM head reads the shared matrix
+    kv = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
+    flops = 2 * weights * batch + 4 * batch * context * arch.num_layers * arch.num_heads * arch.head_dim
+    return (weights + kv) * elt + batch * arch.hidden_size * elt, flops
+
+
+def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
+    per_seq = -(-(context + 1) // block_size)
+    chunks = []
+    for i in range(batch):
+        req = Request(f"b{i}", [1] * context, SamplingParams(max_tokens=1, temperature=0))
+        req.output_token_ids.append(2)
+        table = tuple(range(i * per_seq, (i + 1) * per_seq))
+        chunks.append(ScheduledChunk(req, context, 1, table, samples=True))
+    return StepPlan(tuple(chunks))
+
+
+def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> float:
+    plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
+    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, None)
+            for c in plan.chunks]  # fmt: skip
+    return statistics.median(timed(lambda: engine.runner.execute(plan, rows), device, repeat))
+
+
+def hf_token_time(hf, batch: int, device: str, new_tokens: int) -> float:
+    prompt = torch.randint(3, hf.config.vocab_size, (batch, CONTEXT), device=device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    one = statistics.median(timed(lambda: run(1), device, repeat=2, warmup=1))
+    many = statistics.median(timed(lambda: run(new_tokens + 1), device, repeat=2, warmup=0))
+    return (many - one) / new_tokens
+
+
+def mixed_requests(n: int, vocab: int, seed: int = 0, scale: float = 1.0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(int(rng.randint(32, 512) * scale) or 1)],
+         int(rng.randint(16, 256) * scale) or 1)
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def engine_throughput(engine: Engine, requests: list[tuple[list[int], int]]) -> float:
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(f"m{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    start = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished:
+        produced += sum(len(o.token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def hf_static_throughput(hf, requests: list[tuple[list[int], int]], device: str, batch: int = 16) -> float:
+    start = time.perf_counter()
+    produced = 0
+    for i in range(0, len(requests), batch):
+        group = requests[i : i + batch]
+        width = max(len(p) for p, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(group):  # left padding, as decoder-only generation needs
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        longest = max(n for _, n in group)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        produced += sum(n for _, n in group)  # tokens each request asked for; the rest is padding
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny preset and short runs (a smoke test)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = args.device
+    preset = "tiny" if args.quick else "smollm-135m"
+    folder = ROOT / ".cache" / "bench" / preset
+    if not (folder / "config.json").exists():
+        init_model_folder(folder, preset, dtype="bfloat16", seed=0)
+    batches = [1, 4] if args.quick else [1, 4, 16, 64]
+    repeat = 3 if args.quick else 10
+
+    bandwidth = measure_bandwidth(device)
+    results: dict = {"device": device, "threads": args.threads, "preset": preset, "context": CONTEXT,
+                     "bandwidth_GBps": bandwidth / 1e9, "runs": []}  # fmt: skip
+    print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)")
+    from transformers import AutoModelForCausalLM
+
+    for dtype_name in args.dtypes.split(","):
+        dtype = DTYPES[dtype_name]
+        matmul = measure_matmul(dtype, device)
+        model = load_model(folder, dtype_name, device)
+        cache = CacheConfig(block_size=16, num_blocks=64 * (768 // 16 + 2))
+        sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
+        eager = Engine(model, _NoText(), cache, sched)
+        compiled = Engine(model, _NoText(), cache, sched, compile_buckets=BUCKETS)
+        start = time.perf_counter()
+        compiled.runner.compiled.warm_up(compiled.runner.kv_cache)
+        compile_s = time.perf_counter() - start
+        results[f"compile_s_{dtype_name}"] = compile_s
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        print(
+            f"\n{dtype_name}: matmul {matmul / 1e9:.0f} GFLOP/s; compiling {len(BUCKETS)} decode buckets took "
+            f"{compile_s:.0f} s"
+        )
+        print(
+            f"{'what':<28}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'roofline':>10}{'GFLOP/s':>9}"
+            f"{'of matmul':>10}"
+        )
+        for batch in batches:
+            nbytes, flops = step_bytes(model, batch, CONTEXT)
+            for name, engine in (("tandem eager", eager), ("tandem compiled", compiled)):
+                t = tandem_step_time(engine, batch, device, repeat)
+                results["runs"].append(_record(name, dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
+                _row(f"{name} decode step", batch, t, nbytes, flops, bandwidth, matmul)
+        for batch in [1, 16] if not args.quick else [1]:
+            t = hf_token_time(hf, batch, device, new_tokens=8 if args.quick else 16)
+            nbytes, flops = step_bytes(model, batch, CONTEXT)
+            results["runs"].append(_record("transformers", dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
+            _row("transformers generate", batch, t, nbytes, flops, bandwidth, matmul)
+        requests = mixed_requests(16 if args.quick else 64, model.arch.vocab_size, scale=0.25 if args.quick else 1.0)
+        ours = engine_throughput(compiled, requests)
+        theirs = hf_static_throughput(hf, requests, device)
+        results["runs"].append({"engine": "mixed", "dtype": dtype_name, "tandem_tok_s": ours,
+                                "transformers_tok_s": theirs, "ratio": ours / theirs})  # fmt: skip
+        print(
+            f"mixed workload ({len(requests)} requests): tandem {ours:.1f} tok/s, transformers static batch "
+            f"{theirs:.1f} tok/s, ratio {ours / theirs:.2f}x"
+        )
+        results[f"matmul_GFLOPs_{dtype_name}"] = matmul / 1e9
+        del model, eager, compiled, hf
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    _plot(results, out / f"{name}.png")
+    print(f"\nwrote {out / name}.json and .png")
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def _record(engine: str, dtype: str, batch: int, t: float, nbytes: int, flops: int, bandwidth: float,
+            matmul: float) -> dict:  # fmt: skip
+    return {
+        "engine": engine,
+        "dtype": dtype,
+        "batch": batch,
+        "step_s": t,
+        "bytes": nbytes,
+        "flops": flops,
+        "GBps": nbytes / t / 1e9,
+        "roofline_frac": nbytes / t / bandwidth,
+        "compute_frac": flops / t / matmul,
+    }
+
+
+def _row(what: str, batch: int, t: float, nbytes: int, flops: int, bandwidth: float, matmul: float) -> None:
+    print(f"{what:<28}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
+          f"{nbytes / t / bandwidth:>9.0%}{flops / t / 1e9:>9.1f}{flops / t / matmul:>10.0%}")  # fmt: skip
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for engine, marker in (("tandem compiled", "o-"), ("tandem eager", "^:"), ("transformers", "s--")):
+        for dtype in DTYPES:
+            runs = [r for r in results["runs"] if r["engine"] == engine and r["dtype"] == dtype]
+            if runs:
+                ax.plot([r["batch"] for r in runs], [100 * r["roofline_frac"] for r in runs], marker,
+                        label=f"{engine} {dtype}")  # fmt: skip
+    ax.axhline(100, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (sequences per decode step)")
+    ax.set_ylabel("% of memory-bandwidth roofline")
+    ax.set_title(f"{results['preset']} decode, {results['context']}-token context, {results['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Decode steps through `torch.compile`, one graph per batch-size bucket.
+
+Eager decode at small batch is bound by kernel choice and dispatch, not by memory: torch's one-row
+matrix products read weights at a fraction of the machine's bandwidth, and a 30-layer step issues
+hundreds of small ops. Inductor in `max-autotune` mode with frozen weights picks its own GEMM
+kernels for these shapes and fuses the element-wise work between them; paged attention stays one
+opaque custom op (`tandem::paged_attention`) whose context-length dimensions are dynamic.
+
+A decode step of `n` sequences is padded to the smallest compiled bucket >= n. Padding rows are
+dummy one-token sequences that write to and read from a scratch block nobody owns. Each bucket
+compiles on its first use (or in `warm_up`), which costs seconds to minutes at start-up.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+import torch._inductor.config as inductor_config
+
+from cluster.attention import KVCache, SeqChunk, build_attention_metadata
+from cluster.model import CausalLM
+
+
+class CompiledDecode:
+    def __init__(self, model: CausalLM, buckets: Sequence[int], block_size: int, scratch_block: int) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError("compiled decode needs at least one positive batch bucket")
+        self.model = model
+        self.buckets = sorted(set(buckets))
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.steps = 0  # decode steps served by a compiled graph
+        # One graph per bucket; keep dynamo from falling back to eager past its default limit.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
+        self._forward = torch.compile(self._logits, mode="max-autotune", fullgraph=True, dynamic=False)
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return self.model.compute_logits(self.model(ids, positions, kv_cache, meta))
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.buckets[-1]
+
+    def __call__(self, input_ids: Sequence[int], chunks: Sequence[SeqChunk], kv_cache: KVCache) -> torch.Tensor:
+        """Logits [len(chunks), vocab] (float32) for a decode-only step."""
+        n = len(chunks)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        padding = [SeqChunk((self.scratch_block,), 0, 1)] * (bucket - n)
+        device = self.model.embed_tokens.weight.device
+        # At least two block columns: dynamo would specialise a length of one into its own graph.
+        meta = build_attention_metadata([*chunks, *padding], self.block_size, self.model.windows, device, min_blocks=2)
+        torch._dynamo.mark_dynamic(meta.block_tables, 1)
+        for mask in meta.masks.values():
+            torch._dynamo.mark_dynamic(mask, 3)
+        self.steps += 1
+        ids = torch.tensor([*input_ids, *([0] * (bucket - n))], dtype=torch.long, device=device)
+        with inductor_config.patch(freezing=True, autotune_num_choices_displayed=0):
+            logits = self._forward(ids, meta.positions, kv_cache, meta)
+        return logits[:n]
+
+    @torch.inference_mode()
+    def warm_up(self, kv_cache: KVCache) -> None:
+        """Compiles every bucket now, on dummy sequences in the scratch block."""
+        for bucket in self.buckets:
+            chunks = [SeqChunk((self.scratch_block,), 0, 1)] * bucket
+            self(list(range(bucket)), chunks, kv_cache)

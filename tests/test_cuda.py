@@ -1,0 +1,51 @@
+"""The same model and engine on CUDA. Skipped without a GPU; the CPU twins are test_model_vs_hf.py
+and test_engine.py, which run the identical code on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.generate import generate
+from cluster.loader import load_model
+from decode_worker.engine import Engine
+from decode_worker.request import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+class NoText:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def test_cuda_logits_match_cpu(hf_models):
+    folder, _ = hf_models["llama"]
+    prompt = list(range(3, 40))
+    cpu = generate(load_model(folder, "float32"), [prompt], 16, keep_logits=True)[0]
+    gpu = generate(load_model(folder, "float32", "cuda"), [prompt], 16, keep_logits=True)[0]
+    assert gpu.tokens == cpu.tokens
+    for a, b in zip(gpu.logits, cpu.logits, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-3
+
+
+def test_cuda_engine_matches_cpu_engine(hf_models):
+    folder, _ = hf_models["qwen2"]
+    cache = CacheConfig(block_size=16, num_blocks=64)
+    sched = SchedulerConfig(max_num_seqs=8)
+
+    def run(device):
+        engine = Engine(load_model(folder, "float32", device), NoText(), cache, sched)
+        for i in range(4):
+            engine.add_request(f"r{i}", list(range(5, 12 + 3 * i)), SamplingParams(max_tokens=10, temperature=0))
+        out = {}
+        while engine.has_unfinished:
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out
+
+    assert run("cuda") == run("cpu")
