@@ -119,16 +119,14 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, heads * head_dim]
     """Writes k, v into their cache slots, then attends each query to its sequence's cached keys."""
     k_cache, v_cache = kv
-    return torch.ops.tandem.paged_attention(
-        q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.query_index,
-        meta.masks[window], meta.max_new, scale,
-    )  # fmt: skip
+    args = (q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.query_index,
+            meta.masks[window], meta.max_new, scale)  # fmt: skip
+    if q.requires_grad:  # training (the demo models): the same math, differentiated by autograd
+        return _paged_attention(*args)
+    return torch.ops.tandem.paged_attention(*args)
 
 
-# A custom op, so that torch.compile treats attention (which mutates the cache in place and whose
-# shapes vary with context length) as one opaque call and compiles everything around it.
-@torch.library.custom_op("tandem::paged_attention", mutates_args=("k_cache", "v_cache"))
-def _paged_attention_op(
+def _paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -152,19 +150,30 @@ def _paged_attention_op(
     values = v_cache[block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
 
     heads = q.shape[1]
+    groups = heads // kv_heads
     if max_new == 1:  # decode: one query per sequence, already in order
-        padded = q.view(num_seqs, 1, heads, head_dim).transpose(1, 2)
-    else:  # scatter the flat queries into [S, max_new, heads, hd] -> [S, heads, max_new, hd]
+        padded = q.view(num_seqs, 1, heads, head_dim)
+    else:  # scatter the flat queries into [S, max_new, heads, hd]
         padded = q.new_zeros(num_seqs * max_new, heads, head_dim)
         padded.index_copy_(0, query_index, q)
-        padded = padded.view(num_seqs, max_new, heads, head_dim).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(
-        padded, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
-    )
-    # [S, heads, max_new, hd] -> [S * max_new, heads * hd] -> [T, heads * hd]
-    out = out.transpose(1, 2).reshape(num_seqs * max_new, heads * head_dim)
+        padded = padded.view(num_seqs, max_new, heads, head_dim)
+    # Grouped-query attention without repeating keys: the query heads sharing a KV head (heads are
+    # KV-head-major) become extra query rows of that head. [S, new, kv, g, hd] -> [S, kv, g * new, hd]
+    grouped = padded.view(num_seqs, max_new, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(num_seqs, kv_heads, groups * max_new, head_dim)
+    mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(num_seqs, 1, groups * max_new, -1)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    # [S, kv, g * new, hd] -> [S, new, kv, g, hd] -> [S * new, heads * hd] -> [T, heads * hd]
+    out = out.view(num_seqs, kv_heads, groups, max_new, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_seqs * max_new, heads * head_dim)
     return out if max_new == 1 else out.index_select(0, query_index)
+
+
+# A custom op, so that torch.compile treats attention (which mutates the cache in place and whose
+# shapes vary with context length) as one opaque call and compiles everything around it.
+_paged_attention_op = torch.library.custom_op("tandem::paged_attention", mutates_args=("k_cache", "v_cache"))(
+    _paged_attention
+)
 
 
 @_paged_attention_op.register_fake
