@@ -123,7 +123,34 @@ def paged_attention(
             meta.masks[window], meta.max_new, scale)  # fmt: skip
     if q.requires_grad:  # training (the demo models): the same math, differentiated by autograd
         return _paged_attention(*args)
+    if meta.max_new == 1 and torch.compiler.is_compiling():
+        # Compiled decode: write through an opaque op, then attention as plain reductions that the
+        # compiler fuses with the block-table gather, so each cached key is read once, in place.
+        torch.ops.tandem.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.masks[window], scale)
     return torch.ops.tandem.paged_attention(*args)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [S, heads, hd]: one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    mask: torch.Tensor,  # [S, 1, 1, ctx]
+    scale: float,
+) -> torch.Tensor:  # [S, heads * hd]
+    num_seqs, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    groups = heads // kv_heads
+    ctx = block_tables.shape[1] * block_size
+    keys = k_cache[block_tables].view(num_seqs, ctx, kv_heads, 1, head_dim)  # fused gather under compile
+    values = v_cache[block_tables].view(num_seqs, ctx, kv_heads, 1, head_dim)
+    qg = q.view(num_seqs, 1, kv_heads, groups, head_dim).float()
+    scores = (qg * keys.float()).sum(-1) * scale  # [S, ctx, kv, g]
+    scores = scores.masked_fill(~mask.view(num_seqs, ctx, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs.unsqueeze(-1) * values.float()).sum(1)  # [S, kv, g, hd]
+    return out.to(q.dtype).reshape(num_seqs, heads * head_dim)
 
 
 def _paged_attention(
@@ -179,3 +206,17 @@ _paged_attention_op = torch.library.custom_op("tandem::paged_attention", mutates
 @_paged_attention_op.register_fake
 def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_index, mask, max_new, scale):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.custom_op("tandem::write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _, _, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+@_write_kv.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
+    return None

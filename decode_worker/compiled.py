@@ -55,7 +55,9 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(mask, 3)
         self.steps += 1
         ids = torch.tensor([*input_ids, *([0] * (bucket - n))], dtype=torch.long, device=device)
-        with inductor_config.patch(freezing=True, autotune_num_choices_displayed=0):
+        with inductor_config.patch(
+            freezing=True, autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False
+        ):
             logits = self._forward(ids, meta.positions, kv_cache, meta)
         return logits[:n]
 

@@ -93,3 +93,25 @@ def test_eos_stops_only_that_sequence(hf_models):
 def test_metadata_rejects_short_block_table():
     with pytest.raises(ValueError, match="needs 2 blocks"):
         build_attention_metadata([SeqChunk([0], 7, 2)], BLOCK)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reductions_equal_the_sdpa_path(dtype):
+    """The compiled-decode attention (plain reductions over the paged cache) equals the default path."""
+    from cluster.attention import _decode_attention, paged_attention
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, hd, blocks = 6, 2, 16, 12
+    k_cache = torch.randn(blocks, BLOCK, kv_heads, hd, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, BLOCK, kv_heads, hd, generator=gen).to(dtype)
+    chunks = [SeqChunk([3, 7, 1], 17, 1), SeqChunk([0], 2, 1), SeqChunk([5, 2], 8, 1)]
+    meta = build_attention_metadata(chunks, BLOCK, frozenset({None, 5}))
+    q = torch.randn(3, heads, hd, generator=gen).to(dtype)
+    k = torch.randn(3, kv_heads, hd, generator=gen).to(dtype)
+    v = torch.randn(3, kv_heads, hd, generator=gen).to(dtype)
+    for window in (None, 5):
+        kv = (k_cache.clone(), v_cache.clone())
+        expected = paged_attention(q, k, v, kv, meta, 0.25, window)
+        got = _decode_attention(q, kv[0], kv[1], meta.block_tables, meta.masks[window], 0.25)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert rel_err(got.float(), expected.float()) <= tol
