@@ -106,17 +106,29 @@ def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> fl
     return statistics.median(timed(lambda: engine.runner.execute(plan, rows), device, repeat))
 
 
+class _TokenClock:
+    """A generate() streamer that timestamps each token step as transformers emits it."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:  # type: ignore[no-untyped-def]
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def hf_token_time(hf, batch: int, device: str, new_tokens: int) -> float:
+    """Median time between successive decode steps of transformers' generate (prefill excluded)."""
     prompt = torch.randint(3, hf.config.vocab_size, (batch, CONTEXT), device=device)
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-
-    def run(n: int) -> None:
-        with torch.inference_mode():
-            hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-
-    one = statistics.median(timed(lambda: run(1), device, repeat=2, warmup=1))
-    many = statistics.median(timed(lambda: run(new_tokens + 1), device, repeat=2, warmup=0))
-    return (many - one) / new_tokens
+    clock = _TokenClock()
+    with torch.inference_mode():
+        hf.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        hf.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                    eos_token_id=None, pad_token_id=0, streamer=clock)  # fmt: skip
+    # stamps: the prompt, then one per generated token; the gaps after the first token are decode steps
+    return statistics.median(b - a for a, b in zip(clock.stamps[2:], clock.stamps[3:], strict=False))
 
 
 def mixed_requests(n: int, vocab: int, seed: int = 0, scale: float = 1.0) -> list[tuple[list[int], int]]:
