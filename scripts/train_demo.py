@@ -138,6 +138,41 @@ def init_weights(model: CausalLM, std: float, num_layers: int) -> None:
             torch.nn.init.normal_(p, std=std * scale)
 
 
+def optimise(model: CausalLM, stream: torch.Tensor, recipe: Recipe, steps: int) -> list[float]:
+    """AdamW with warm-up and cosine decay on random windows of `stream`; returns each step's loss."""
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(recipe.seed)
+    losses: list[float] = []
+    t0 = time.time()
+    for step in range(steps):
+        lr = recipe.lr * min(1.0, (step + 1) / recipe.warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(stream) - SEQ_LEN - 1, (recipe.batch,), generator=gen)
+        windows = torch.stack([stream[s : s + SEQ_LEN + 1] for s in starts.tolist()])
+        loss = batch_loss(model, windows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 25 == 0 or step == steps - 1:
+            done = time.time() - t0
+            eta = done / (step + 1) * (steps - step - 1)
+            recent = sum(losses[-25:]) / len(losses[-25:])
+            print(
+                f"step {step + 1}/{steps}  loss {recent:.3f}  lr {lr:.2e}  {done:.0f}s elapsed, ETA {eta / 60:.1f} min",
+                flush=True,
+            )
+    return losses
+
+
 def train(args: argparse.Namespace) -> None:
     recipe = RECIPES[args.size]
     steps = args.steps or recipe.steps
@@ -170,36 +205,8 @@ def train(args: argparse.Namespace) -> None:
     model = CausalLM(ModelArch.from_hf_config(config))
     init_weights(model, 0.02, recipe.preset.num_layers)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.ndim == 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=recipe.lr,
-        betas=(0.9, 0.95),
-    )
-    gen = torch.Generator().manual_seed(recipe.seed)
-    losses = []
     t0 = time.time()
-    for step in range(steps):
-        lr = recipe.lr * min(1.0, (step + 1) / recipe.warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, len(train_stream) - SEQ_LEN - 1, (recipe.batch,), generator=gen)
-        windows = torch.stack([train_stream[s : s + SEQ_LEN + 1] for s in starts.tolist()])
-        loss = batch_loss(model, windows)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 25 == 0 or step == steps - 1:
-            done = time.time() - t0
-            eta = done / (step + 1) * (steps - step - 1)
-            recent = sum(losses[-25:]) / len(losses[-25:])
-            print(
-                f"step {step + 1}/{steps}  loss {recent:.3f}  lr {lr:.2e}  {done:.0f}s elapsed, ETA {eta / 60:.1f} min",
-                flush=True,
-            )
+    losses = optimise(model, train_stream, recipe, steps)
     train_time = time.time() - t0
 
     save_weights({k: v.to(torch.bfloat16) for k, v in export_weights(model).items()}, out)
