@@ -33,13 +33,22 @@ class SeqChunk:
 
 
 @dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended together, padded to the group's longest chunk. Decode rows (one new token)
+    and prompt chunks form separate groups, so one long chunk never pads every decode row to its length."""
+
+    token_index: torch.Tensor | None  # [T_g] this group's tokens among the pass's T; None = all, in order
+    block_tables: torch.Tensor  # [S_g, max_blocks] padded with block 0
+    query_index: torch.Tensor  # [T_g] row of each token in the padded [S_g * max_new] query layout
+    max_new: int
+    masks: dict[int | None, torch.Tensor]  # sliding window -> [S_g, 1, max_new, max_ctx] bool, True = attend
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) for each new token
-    block_tables: torch.Tensor  # [S, max_blocks] padded with block 0
-    query_index: torch.Tensor  # [T] row of each token in the padded [S * max_new] query layout
-    max_new: int
-    masks: dict[int | None, torch.Tensor]  # sliding window -> [S, 1, max_new, max_ctx] bool, True = attend
+    groups: tuple[AttentionGroup, ...]
     last_token_index: torch.Tensor  # [S] index in [0, T) of each sequence's last token
 
 
@@ -70,12 +79,7 @@ def build_attention_metadata(
     Block tables are padded to at least `min_blocks` columns (compiled graphs keep one shape class)."""
     if not chunks:
         raise ValueError("a forward pass needs at least one sequence")
-    max_new = max(c.num_new for c in chunks)
-    max_ctx = max(c.num_cached + c.num_new for c in chunks)
-    max_blocks = max(-(-max_ctx // block_size), min_blocks)
-    positions, slots, query_index, last = [], [], [], []
-    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-    q_pos = torch.zeros(len(chunks), max_new, dtype=torch.long)  # padded rows look at position 0 only
+    positions, slots, last, starts = [], [], [], []
     for s, c in enumerate(chunks):
         if c.num_new <= 0:
             raise ValueError(f"sequence {s} contributes no tokens")
@@ -83,29 +87,51 @@ def build_attention_metadata(
         needed = -(-end // block_size)
         if len(c.block_table) < needed:
             raise ValueError(f"sequence {s} needs {needed} blocks for {end} positions, has {len(c.block_table)}")
-        tables[s, :needed] = torch.as_tensor(list(c.block_table[:needed]), dtype=torch.long)
-        pos = range(c.num_cached, end)
-        positions.extend(pos)
-        slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
-        query_index.extend(range(s * max_new, s * max_new + c.num_new))
-        q_pos[s, : c.num_new] = torch.arange(c.num_cached, end)
+        starts.append(len(positions))
+        positions.extend(range(c.num_cached, end))
+        slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in range(c.num_cached, end))
         last.append(len(positions) - 1)
+    decode = [s for s, c in enumerate(chunks) if c.num_new == 1]
+    prefill = [s for s, c in enumerate(chunks) if c.num_new > 1]
+    split = [decode, prefill] if decode and prefill else [list(range(len(chunks)))]
+    groups = []
+    for members in split:
+        token_index = None
+        if len(split) > 1:
+            ids = [starts[s] + i for s in members for i in range(chunks[s].num_new)]
+            token_index = torch.tensor(ids, dtype=torch.long, device=device)
+        groups.append(_group([chunks[s] for s in members], token_index, block_size, windows, device, min_blocks))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return AttentionMetadata(as_long(positions), as_long(slots), tuple(groups), as_long(last))
+
+
+def _group(
+    chunks: Sequence[SeqChunk],
+    token_index: torch.Tensor | None,
+    block_size: int,
+    windows: set[int | None] | frozenset[int | None],
+    device: torch.device | str,
+    min_blocks: int,
+) -> AttentionGroup:
+    max_new = max(c.num_new for c in chunks)
+    max_ctx = max(c.num_cached + c.num_new for c in chunks)
+    max_blocks = max(-(-max_ctx // block_size), min_blocks)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+    q_pos = torch.zeros(len(chunks), max_new, dtype=torch.long)  # padded rows look at position 0 only
+    query_index = []
+    for s, c in enumerate(chunks):
+        needed = -(-(c.num_cached + c.num_new) // block_size)
+        tables[s, :needed] = torch.as_tensor(list(c.block_table[:needed]), dtype=torch.long)
+        query_index.extend(range(s * max_new, s * max_new + c.num_new))
+        q_pos[s, : c.num_new] = torch.arange(c.num_cached, c.num_cached + c.num_new)
     k_pos = torch.arange(max_blocks * block_size)
     causal = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, max_new, ctx]
     masks = {}
     for w in windows:
         m = causal if w is None else causal & (q_pos[:, :, None] - k_pos[None, None, :] < w)
         masks[w] = m.unsqueeze(1).to(device)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return AttentionMetadata(
-        positions=as_long(positions),
-        slot_mapping=as_long(slots),
-        block_tables=tables.to(device),
-        query_index=as_long(query_index),
-        max_new=max_new,
-        masks=masks,
-        last_token_index=as_long(last),
-    )
+    index = torch.tensor(query_index, dtype=torch.long, device=device)
+    return AttentionGroup(token_index, tables.to(device), index, max_new, masks)
 
 
 def paged_attention(
@@ -119,16 +145,25 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, heads * head_dim]
     """Writes k, v into their cache slots, then attends each query to its sequence's cached keys."""
     k_cache, v_cache = kv
-    args = (q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.query_index,
-            meta.masks[window], meta.max_new, scale)  # fmt: skip
-    if q.requires_grad:  # training (the demo models): the same math, differentiated by autograd
-        return _paged_attention(*args)
-    if meta.max_new == 1 and torch.compiler.is_compiling():
-        # Compiled decode: write through an opaque op, then attention as plain reductions that the
-        # compiler fuses with the block-table gather, so each cached key is read once, in place.
-        torch.ops.tandem.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return _decode_attention(q, k_cache, v_cache, meta.block_tables, meta.masks[window], scale)
-    return torch.ops.tandem.paged_attention(*args)
+    training = q.requires_grad  # the demo models' training: plain functions, differentiated by autograd
+    write = _write_kv if training else torch.ops.tandem.write_kv
+    write(k, v, k_cache, v_cache, meta.slot_mapping)
+    if len(meta.groups) == 1:
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale, window, training)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for g in meta.groups:
+        assert g.token_index is not None
+        out.index_copy_(0, g.token_index, _attend(q[g.token_index], k_cache, v_cache, g, scale, window, training))
+    return out
+
+
+def _attend(q, k_cache, v_cache, g: AttentionGroup, scale: float, window: int | None, training: bool):  # type: ignore[no-untyped-def]
+    if g.max_new == 1 and torch.compiler.is_compiling():
+        # Compiled decode: attention as plain reductions that the compiler fuses with the
+        # block-table gather, so each cached key is read once, in place.
+        return _decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
+    attend = _attend_padded if training else torch.ops.tandem.attend
+    return attend(q, k_cache, v_cache, g.block_tables, g.query_index, g.masks[window], g.max_new, scale)
 
 
 def _decode_attention(
@@ -153,23 +188,25 @@ def _decode_attention(
     return out.to(q.dtype).reshape(num_seqs, heads * head_dim)
 
 
-def _paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_index: torch.Tensor,
-    mask: torch.Tensor,
-    max_new: int,
-    scale: float,
-) -> torch.Tensor:
-    _, block_size, kv_heads, head_dim = k_cache.shape
+def _write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _, _, kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
+
+def _attend_padded(
+    q: torch.Tensor,  # [T, heads, hd]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    query_index: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [S, 1, max_new, ctx]
+    max_new: int,
+    scale: float,
+) -> torch.Tensor:  # [T, heads * hd]
+    _, block_size, kv_heads, head_dim = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
     ctx = max_blocks * block_size
     # Gather each sequence's blocks: [S, max_blocks, block_size, kv_heads, hd] -> [S, kv_heads, ctx, hd]
@@ -196,27 +233,17 @@ def _paged_attention(
     return out if max_new == 1 else out.index_select(0, query_index)
 
 
-# A custom op, so that torch.compile treats attention (which mutates the cache in place and whose
-# shapes vary with context length) as one opaque call and compiles everything around it.
-_paged_attention_op = torch.library.custom_op("tandem::paged_attention", mutates_args=("k_cache", "v_cache"))(
-    _paged_attention
-)
+# Custom ops, so that torch.compile treats the cache write (an in-place mutation) and padded
+# attention (whose shapes vary with context length) as opaque calls and compiles around them.
+_write_kv_op = torch.library.custom_op("tandem::write_kv", mutates_args=("k_cache", "v_cache"))(_write_kv)
+_attend_op = torch.library.custom_op("tandem::attend", mutates_args=())(_attend_padded)
 
 
-@_paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_index, mask, max_new, scale):  # type: ignore[no-untyped-def]
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-@torch.library.custom_op("tandem::write_kv", mutates_args=("k_cache", "v_cache"))
-def _write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    _, _, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-@_write_kv.register_fake
+@_write_kv_op.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
     return None
+
+
+@_attend_op.register_fake
+def _(q, k_cache, v_cache, block_tables, query_index, mask, max_new, scale):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -50,8 +50,9 @@ class CompiledDecode:
         device = self.model.embed_tokens.weight.device
         # At least two block columns: dynamo would specialise a length of one into its own graph.
         meta = build_attention_metadata([*chunks, *padding], self.block_size, self.model.windows, device, min_blocks=2)
-        torch._dynamo.mark_dynamic(meta.block_tables, 1)
-        for mask in meta.masks.values():
+        (group,) = meta.groups  # decode rows only: one group
+        torch._dynamo.mark_dynamic(group.block_tables, 1)
+        for mask in group.masks.values():
             torch._dynamo.mark_dynamic(mask, 3)
         self.steps += 1
         ids = torch.tensor([*input_ids, *([0] * (bucket - n))], dtype=torch.long, device=device)

@@ -112,6 +112,7 @@ def test_decode_attention_reductions_equal_the_sdpa_path(dtype):
     for window in (None, 5):
         kv = (k_cache.clone(), v_cache.clone())
         expected = paged_attention(q, k, v, kv, meta, 0.25, window)
-        got = _decode_attention(q, kv[0], kv[1], meta.block_tables, meta.masks[window], 0.25)
+        (group,) = meta.groups
+        got = _decode_attention(q, kv[0], kv[1], group.block_tables, group.masks[window], 0.25)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(got.float(), expected.float()) <= tol
