@@ -6,10 +6,11 @@ token — and owns a block table into the paged KV cache. The KV cache holds, pe
 tensors shaped `[num_blocks, block_size, num_kv_heads, head_dim]` (the one layout shared by the model,
 the block manager and the wire).
 
-Each layer writes its new keys and values into their slots, then gathers each sequence's blocks
-and runs one masked `scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]`
-problem. The metadata (slots, gather indices, masks) is built once per forward pass, not per layer,
-and no Python loop runs over sequences inside a layer.
+Each layer writes its new keys and values into their slots, then, per attention group (decode rows
+apart from prompt chunks), gathers each sequence's blocks and runs one masked
+`scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem. The metadata
+(slots, gather indices, masks) is built once per forward pass, not per layer, and no Python loop
+runs over sequences inside a layer.
 """
 
 from __future__ import annotations
@@ -157,7 +158,15 @@ def paged_attention(
     return out
 
 
-def _attend(q, k_cache, v_cache, g: AttentionGroup, scale: float, window: int | None, training: bool):  # type: ignore[no-untyped-def]
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttentionGroup,
+    scale: float,
+    window: int | None,
+    training: bool,
+) -> torch.Tensor:
     if g.max_new == 1 and torch.compiler.is_compiling():
         # Compiled decode: attention as plain reductions that the compiler fuses with the
         # block-table gather, so each cached key is read once, in place.
