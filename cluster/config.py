@@ -36,11 +36,6 @@ class ModelConfig(_Part):
         description="Longest prompt + completion in tokens; defaults to the model's max_position_embeddings.",
     )
     seed: int = Field(default=0, description="Seed for weight-independent randomness (sampling defaults).")
-    compile_batch_sizes: tuple[int, ...] = Field(
-        default=(),
-        description="Decode batch sizes compiled at start-up with torch.compile (max-autotune, frozen weights); "
-        "decode steps are padded to the next size. Costs start-up time per size; empty runs eager.",
-    )
 
     @property
     def served_name(self) -> str:
