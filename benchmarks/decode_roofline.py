@@ -33,10 +33,9 @@ sys.path.insert(0, str(ROOT))
 from cluster.config import CacheConfig, SchedulerConfig  # noqa: E402
 from cluster.loader import load_model  # noqa: E402
 from cluster.model_builder import init_model_folder  # noqa: E402
+from cluster.request import Request, SamplingParams, ScheduledChunk, StepPlan  # noqa: E402
+from cluster.sampler import SampleRow  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
-from decode_worker.request import Request, SamplingParams  # noqa: E402
-from decode_worker.sampler import SampleRow  # noqa: E402
-from decode_worker.scheduler import ScheduledChunk, StepPlan  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CONTEXT = 512

@@ -12,6 +12,7 @@ device, the scheduler or quantisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,13 +137,16 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,  # told when each layer's KV is in the cache
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2], float32
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, hd]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for layer, kv in zip(self.layers, kv_cache, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x = layer(x, cos, sin, kv, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.model import CausalLM
-from decode_worker.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
+from cluster.model_runner import ModelRunner
+from cluster.request import Request, SamplingParams
+from cluster.sampler import Sampler, SampleRow
+from decode_worker.compiled import CompiledDecode
 from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
-from decode_worker.model_runner import ModelRunner
-from decode_worker.request import Request, SamplingParams
-from decode_worker.sampler import Sampler, SampleRow
 from decode_worker.scheduler import Scheduler
 
 
@@ -76,7 +77,10 @@ class Engine:
         max_len = min(max_model_len or model.arch.max_position_embeddings, model.arch.max_position_embeddings)
         self.scheduler = Scheduler(scheduler, blocks, eos_token_ids, max_len)
         sampler = Sampler(model.arch.vocab_size, seed)
-        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compile_buckets)
+        compiled = (
+            CompiledDecode(model, compile_buckets, cache.block_size, self.num_blocks) if compile_buckets else None
+        )
+        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compiled)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self._streams: dict[str, _Stream] = {}

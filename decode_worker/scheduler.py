@@ -20,32 +20,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
-from decode_worker.block_manager import BlockManager
-from decode_worker.request import Request, Status
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # positions [start, start + num_new) are computed this step
-    num_new: int
-    block_table: tuple[int, ...]
-    samples: bool  # the chunk reaches the request's last token, so its logits pick the next one
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[str, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
+from cluster.request import Request, ScheduledChunk, Status, StepPlan
 
 
 @dataclass

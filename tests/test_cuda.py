@@ -9,8 +9,8 @@ import torch
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.generate import generate
 from cluster.loader import load_model
+from cluster.request import SamplingParams
 from decode_worker.engine import Engine
-from decode_worker.request import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,9 +13,9 @@ from cluster.config import CacheConfig, SchedulerConfig
 from cluster.generate import generate
 from cluster.loader import load_model
 from cluster.model_builder import init_model_folder, train_tokenizer
+from cluster.request import SamplingParams
 from cluster.tokenizer import Tokenizer
 from decode_worker.engine import AsyncEngine, Engine
-from decode_worker.request import SamplingParams
 
 SMALL_CACHE = CacheConfig(block_size=4, num_blocks=60, watermark=0.0)
 BIG_CACHE = CacheConfig(block_size=4, num_blocks=400, watermark=0.0)

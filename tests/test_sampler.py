@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cluster.model_builder import train_tokenizer
+from cluster.request import SamplingParams
+from cluster.sampler import Sampler, SampleRow
 from decode_worker.detokenizer import IncrementalDetokenizer
-from decode_worker.request import SamplingParams
-from decode_worker.sampler import Sampler, SampleRow
 
 V = 8
 

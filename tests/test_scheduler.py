@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
-from decode_worker.block_manager import BlockManager
-from decode_worker.request import Request, SamplingParams, Status
-from decode_worker.scheduler import Scheduler, StepPlan
+from cluster.request import Request, SamplingParams, Status, StepPlan
+from decode_worker.scheduler import Scheduler
 
 EOS = 0
 

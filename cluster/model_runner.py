@@ -7,20 +7,28 @@ token for each chunk that reaches its request's last token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.model import CausalLM
-from decode_worker.compiled import CompiledDecode
-from decode_worker.sampler import Sampler, SampleResult, SampleRow
-from decode_worker.scheduler import StepPlan
+from cluster.request import StepPlan
+from cluster.sampler import Sampler, SampleResult, SampleRow
+
+
+class CompiledSteps(Protocol):
+    """Decode-only steps through a compiled graph (`decode_worker.compiled.CompiledDecode`)."""
+
+    def fits(self, batch: int) -> bool: ...
+
+    def __call__(self, input_ids: list[int], chunks: list[SeqChunk], kv_cache: KVCache) -> torch.Tensor: ...
 
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler, compile_buckets: Sequence[int] = ()
+        self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler, compiled: CompiledSteps | None = None
     ) -> None:
         arch = model.arch
         self.model = model
@@ -32,21 +40,24 @@ class ModelRunner:
             model.embed_tokens.weight.dtype, self.device,
         )  # fmt: skip
         self.sampler = sampler
-        self.compiled = CompiledDecode(model, compile_buckets, block_size, num_blocks) if compile_buckets else None
+        self.compiled = compiled
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, rows: Sequence[SampleRow]) -> SampleResult:
-        """Runs `plan`; `rows` describe, in plan order, the chunks whose `samples` is true."""
+    def execute(
+        self, plan: StepPlan, rows: Sequence[SampleRow], after_layer: Callable[[int], None] | None = None
+    ) -> SampleResult:
+        """Runs `plan`; `rows` describe, in plan order, the chunks whose `samples` is true.
+        `after_layer(i)` is called once layer `i` has written its KV (so it can be shipped early)."""
         chunks, input_ids = [], []
         for c in plan.chunks:
             chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
             input_ids.extend(c.request.token_ids(c.start, c.start + c.num_new))
         decode_only = all(c.num_new == 1 and c.samples for c in plan.chunks)
-        if self.compiled is not None and decode_only and self.compiled.fits(len(chunks)):
+        if self.compiled is not None and after_layer is None and decode_only and self.compiled.fits(len(chunks)):
             return self.sampler(self.compiled(input_ids, chunks, self.kv_cache).cpu(), rows)
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
+        hidden = self.model(ids, meta.positions, self.kv_cache, meta, after_layer)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         if not sampling:
             return SampleResult([], None, None)

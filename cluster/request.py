@@ -1,8 +1,9 @@
-"""One request's state, counted: its token ids, how many are prompt, and how many have KV computed.
+"""One request's state, counted: its token ids, how many are prompt, and how many have KV computed;
+and the plan of one forward pass over many requests.
 
-Prefill, chunked prefill, recompute after preemption and (later) admission of a transferred KV
-cache are all the same thing: `num_computed_tokens` catching up with `num_tokens`. A request is
-WAITING (not holding blocks), RUNNING (holding blocks, in the batch) or FINISHED.
+Prefill, chunked prefill, recompute after preemption and admission of a transferred KV cache are
+all the same thing: `num_computed_tokens` catching up with `num_tokens`. A request is WAITING (not
+holding blocks), RUNNING (holding blocks, in the batch) or FINISHED. Shared by both workers: no torch.
 """
 
 from __future__ import annotations
@@ -92,3 +93,26 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # positions [start, start + num_new) are computed this step
+    num_new: int
+    block_table: tuple[int, ...]
+    samples: bool  # the chunk reaches the request's last token, so its logits pick the next one
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks

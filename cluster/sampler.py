@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_worker.request import SamplingParams
+from cluster.request import SamplingParams
 
 
 @dataclass(frozen=True)
