@@ -3,13 +3,15 @@ and the plan of one forward pass over many requests.
 
 Prefill, chunked prefill, recompute after preemption and admission of a transferred KV cache are
 all the same thing: `num_computed_tokens` catching up with `num_tokens`. A request is WAITING (not
-holding blocks), RUNNING (holding blocks, in the batch) or FINISHED. Shared by both workers: no torch.
+holding blocks), RUNNING (holding blocks, in the batch) or FINISHED. Shared by both workers; no torch.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from tandem.v1 import api_pb2
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,49 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
+    m = api_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        stop=p.stop,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
+    """The wire's sampling parameters (unset fields take their defaults); raises ValueError on bad values.
+    `max_tokens` must already be resolved (the wire's 0, "up to the context window", is the router's to fill)."""
+    return SamplingParams(
+        max_tokens=m.max_tokens,
+        min_tokens=m.min_tokens,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k if m.HasField("top_k") else -1,
+        min_p=m.min_p if m.HasField("min_p") else 0.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        seed=m.seed if m.HasField("seed") else None,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+    )
 
 
 class Status(enum.Enum):

@@ -65,6 +65,11 @@ class Sampler:
             tops.append(list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True)) if n else [])
         return SampleResult(token_ids, chosen, tops)
 
+    def skip(self, generator: torch.Generator) -> None:
+        """Advances a seeded request's generator past one sampled token (drawn where it was sampled
+        elsewhere, as a prefill worker does), so its later tokens match a single-process run."""
+        torch.empty(self.vocab_size).exponential_(generator=generator)
+
     def _penalise(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         rep = torch.tensor([r.params.repetition_penalty for r in rows])
         pres = torch.tensor([r.params.presence_penalty for r in rows])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -83,25 +84,93 @@ class Engine:
         self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compiled)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
+        self.max_num_seqs = scheduler.max_num_seqs
         self._streams: dict[str, _Stream] = {}
+        # Steps and KV-transfer reservations arrive on different threads; the scheduler and block
+        # manager see one at a time.
+        self.lock = threading.Lock()
+        self._reserved: set[str] = set()  # request ids holding blocks for a KV transfer in flight
+        self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._pending)
+
+    @property
+    def kv_cache(self):  # type: ignore[no-untyped-def]
+        return self.runner.kv_cache
+
+    # -- KV transfer: reserve -> (the transport writes the cache) -> admit | release ---------------
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> tuple[list[int], int]:
+        """Blocks for a prompt whose KV will arrive by transfer: (block table, leading tokens already
+        in this worker's prefix cache). Raises KeyError for an id in use, ValueError for a request
+        that can never run here, MemoryError when it does not fit now."""
+        request = Request(request_id, list(prompt_token_ids), params)
+        with self.lock:
+            if request_id in self._reserved or request_id in self.scheduler.requests:
+                raise KeyError(f"request id {request_id!r} is already in use on this worker")
+            self.scheduler.check(request)
+            blocks = self.scheduler.blocks
+            if len(self.scheduler.running) + len(self._reserved) >= self.max_num_seqs:
+                raise MemoryError(f"the running batch is full ({self.max_num_seqs} sequences)")
+            if not blocks.can_allocate(request.prompt_token_ids):
+                raise MemoryError(
+                    f"{blocks.num_free_blocks} free KV blocks are not enough for {len(prompt_token_ids)} tokens"
+                )
+            cached = blocks.allocate(request_id, request.prompt_token_ids)
+            self._reserved.add(request_id)
+            return list(blocks.block_table(request_id)), cached
+
+    def release(self, request_id: str) -> None:
+        """Frees the blocks of a reservation whose transfer failed."""
+        with self.lock:
+            if request_id in self._reserved:
+                self._reserved.discard(request_id)
+                self.scheduler.blocks.free(request_id)
+
+    def admit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, first_token: int) -> None:
+        """Puts a reserved sequence whose KV has fully landed into the running batch."""
+        request = Request(request_id, list(prompt_token_ids), params)
+        with self.lock:
+            if request_id not in self._reserved:
+                raise KeyError(f"no reservation for request {request_id!r}")
+            self._reserved.discard(request_id)
+            self.scheduler.admit(request, first_token)
+            stream = self._open_stream(request)
+            if stream.generator is not None and not params.greedy:
+                self.runner.sampler.skip(stream.generator)
+            self._pending.append(self._output(request, first_token, None))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Queues a request; raises ValueError (nothing queued) if it can never run here."""
         request = Request(request_id, list(prompt_token_ids), params)
-        self.scheduler.add(request)
+        with self.lock:
+            if request_id in self._reserved:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.scheduler.add(request)
+            self._open_stream(request)
+
+    def _open_stream(self, request: Request) -> _Stream:
+        params = request.params
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
-        self._streams[request_id] = _Stream(request, detok, generator)
+        stream = self._streams[request.request_id] = _Stream(request, detok, generator)
+        return stream
 
     def abort(self, request_id: str) -> bool:
-        self._streams.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        with self.lock:
+            self._streams.pop(request_id, None)
+            return self.scheduler.abort(request_id) is not None
 
     def step(self) -> list[RequestOutput]:
+        with self.lock:
+            outputs, self._pending = self._pending, []
+            return outputs + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []

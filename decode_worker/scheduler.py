@@ -54,7 +54,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, request: Request) -> None:
+    def check(self, request: Request) -> None:
+        """Raises ValueError if `request` could never run here (or its id is taken)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
@@ -69,11 +70,30 @@ class Scheduler:
         usable = (self.blocks.num_blocks - self.blocks.watermark_blocks) * self.blocks.block_size
         if total > usable:
             raise ValueError(f"prompt + max_tokens ({total} tokens) exceeds this worker's KV cache ({usable} tokens)")
+
+    def add(self, request: Request) -> None:
+        self.check(request)
         request.arrival = self._arrivals
         self._arrivals += 1
         request.status = Status.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def admit(self, request: Request, first_token: int) -> None:
+        """Admits a request whose prompt KV arrived by transfer into blocks it already holds
+        (`blocks.allocate` at reservation), with the token the prefill worker sampled."""
+        self.check(request)
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        request.status = Status.RUNNING
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self.blocks.mark_computed(request.request_id, request.prompt_token_ids)
+        request.output_token_ids.append(first_token)
+        reason = self._stop_reason(request, first_token)
+        if reason is not None:
+            self._finish(request, reason)
 
     def abort(self, request_id: str) -> Request | None:
         """Finishes a request at once and frees its blocks; unknown or finished ids return None."""

@@ -39,15 +39,31 @@ class KVTransferStub:
                 request_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KVTransferResult.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/tandem.v1.KVTransfer/JoinGroup',
+                request_serializer=tandem_dot_v1_dot_kv__transfer__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.JoinGroupResult.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
-        """The first message is the header; each later one carries a chunk of layers.
-        The decode worker reserves blocks on the header and admits the sequence once
-        every layer has landed and checked out.
+        """The first message is the header, then one chunk per group of layers, then the commit.
+        The decode worker reserves blocks on the header, writes each chunk into its paged cache
+        as it lands, and admits the sequence on the commit once every layer has checked out.
+        Refusals come back as gRPC status codes: FAILED_PRECONDITION (another model or layout),
+        RESOURCE_EXHAUSTED (no room), ALREADY_EXISTS (request id in use), DATA_LOSS (bad checksum
+        or missing layers), DEADLINE_EXCEEDED (the transfer outlived its timeout).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinGroup(self, request, context):
+        """Collective transport: joins the two-rank torch.distributed group a prefill worker set up,
+        as rank 1, through the TCP store it names. Returns once the group is connected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -60,6 +76,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.FromString,
                     response_serializer=tandem_dot_v1_dot_kv__transfer__pb2.KVTransferResult.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=tandem_dot_v1_dot_kv__transfer__pb2.JoinGroupRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__transfer__pb2.JoinGroupResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +110,33 @@ class KVTransfer:
             '/tandem.v1.KVTransfer/Push',
             tandem_dot_v1_dot_kv__transfer__pb2.KVTransferMessage.SerializeToString,
             tandem_dot_v1_dot_kv__transfer__pb2.KVTransferResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/JoinGroup',
+            tandem_dot_v1_dot_kv__transfer__pb2.JoinGroupRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__transfer__pb2.JoinGroupResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,213 @@
+"""The `grpc` KV transport: one client-streaming `KVTransfer.Push` call per transfer.
+
+The prefill worker streams the header, one message per chunk of layers (sent as soon as those
+layers finish) and a commit; the decode worker answers once the sequence is admitted, or aborts
+the call with the status code of the `TransferError` that stopped it. HTTP/2 flow control and the
+stream's bounded queue keep a slow receiver from filling the sender's memory; message size limits
+are set explicitly on both ends from the largest chunk the model can produce.
+
+The servicer also carries the collective transport's control messages: with a `group_id` in the
+header, chunk messages carry only layers and checksum, and the tensors arrive over that group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+from tandem.v1 import kv_transfer_pb2 as pb
+from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+from cluster.kv_collective import CollectiveGroups
+from cluster.kv_transport import KVReceiver, SendStream
+from cluster.kv_wire import KVChunk, KVHeader, TransferError, decode_chunk, decode_header, encode
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class KVTransferService(pb_grpc.KVTransferServicer):
+    def __init__(self, receiver: KVReceiver, groups: CollectiveGroups | None = None) -> None:
+        self.receiver = receiver
+        self.groups = groups
+
+    def Push(self, request_iterator: Iterator[pb.KVTransferMessage], context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+        transfer, error = None, None
+        try:
+            header: KVHeader | None = None
+            for message in request_iterator:
+                kind = message.WhichOneof("payload")
+                if header is None:
+                    if kind != "header":
+                        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a transfer starts with its header")
+                    header = decode_header(message.header)
+                    transfer = self.receiver.reserve(header)
+                elif kind == "chunk":
+                    self.receiver.write(transfer, self._chunk(header, message.chunk))
+                elif kind == "commit":
+                    num_blocks = self.receiver.commit(transfer, message.commit.first_token)
+                    return pb.KVTransferResult(accepted=True, num_blocks=num_blocks)
+                else:
+                    raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} after the header")
+            error = TransferError(grpc.StatusCode.CANCELLED, "the stream ended before its commit")
+        except TransferError as e:
+            error = e
+        except Exception as e:  # the client went away mid-stream (cancelled, crashed, deadline)
+            error = TransferError(grpc.StatusCode.CANCELLED, f"the sender's stream broke: {e!r}")
+        if transfer is not None:
+            self.receiver.fail(transfer, error)
+        context.abort(error.code, error.message)
+
+    def JoinGroup(self, request: pb.JoinGroupRequest, context: grpc.ServicerContext) -> pb.JoinGroupResult:
+        if self.groups is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker has no collective transport")
+        try:
+            self.groups.join(request)  # type: ignore[union-attr]
+        except TransferError as e:
+            context.abort(e.code, e.message)
+        return pb.JoinGroupResult()
+
+    def _chunk(self, header: KVHeader, m: pb.KVChunk):  # type: ignore[no-untyped-def]
+        if not header.group_id:
+            return decode_chunk(m, header)
+        if self.groups is None:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no collective transport")
+        return self.groups.receive(header, m)
+
+
+def serve(
+    receiver: KVReceiver,
+    address: str = "127.0.0.1:0",
+    groups: CollectiveGroups | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_workers: int = 16,
+) -> tuple[grpc.Server, int]:
+    """Starts a KVTransfer server; returns it and the port it bound."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=channel_options(max_message_bytes))
+    pb_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver, groups), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the KV transfer server to {address}")
+    server.start()
+    return server, port
+
+
+class GrpcSender:
+    """Sends each transfer as one `Push` call to the decode worker at `target` ("host:port")."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_queued: int = 8,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.max_queued = max_queued
+        self.channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self.stub = pb_grpc.KVTransferStub(self.channel)
+
+    def open(self, header: KVHeader) -> SendStream:
+        return _GrpcStream(self, header)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _GrpcStream(SendStream):
+    def __init__(self, sender: GrpcSender, header: KVHeader) -> None:
+        self.sender = sender
+        self._call: grpc.Future | None = None
+        self._send_error: TransferError | None = None  # raised on gRPC's thread while sending
+        super().__init__(header, sender.max_queued)
+
+    def _requests(self) -> Iterator[pb.KVTransferMessage]:
+        try:
+            yield from self._encoded()
+        except TransferError as e:
+            self._send_error = e
+            raise
+
+    def _encoded(self) -> Iterator[pb.KVTransferMessage]:
+        for message in self._messages():
+            encoded = encode(message, inline=not self.header.group_id)
+            size = encoded.ByteSize()
+            if size > self.sender.max_message_bytes:
+                raise TransferError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a {size}-byte message exceeds the {self.sender.max_message_bytes}-byte limit; "
+                    "send fewer layers per chunk",
+                )
+            yield encoded
+            self._after(message)
+
+    def _after(self, message: object) -> None:
+        """Runs once `message` has been handed to gRPC (the collective stream sends tensors here)."""
+
+    def _run(self) -> int:
+        self._call = self.sender.stub.Push.future(self._requests(), timeout=self.sender.timeout_s)
+        try:
+            return self._call.result().num_blocks
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            if self._send_error is not None:
+                raise self._send_error from None
+            if isinstance(e, grpc.FutureCancelledError):
+                raise TransferError(grpc.StatusCode.CANCELLED, "the transfer was aborted") from None
+            raise TransferError(e.code(), e.details() or "") from None
+
+    def _cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+
+class CollectiveSender(GrpcSender):
+    """The `collective` transport's sending end: the `Push` stream carries control, a
+    torch.distributed group with the decode worker (`cluster.kv_collective`) carries the tensors."""
+
+    def __init__(self, target: str, groups: CollectiveGroups, timeout_s: float = 30.0, max_queued: int = 8) -> None:
+        super().__init__(target, timeout_s, DEFAULT_MAX_MESSAGE_BYTES, max_queued)
+        self.groups = groups
+
+    def open(self, header: KVHeader) -> SendStream:
+        try:
+            group = self.groups.connect(self.target, self.stub)
+        except TransferError as e:
+            return _FailedStream(header, e)
+        tagged = dataclasses.replace(header, group_id=group.group_id, tag=next(group.tags))
+        return _CollectiveStream(self, group, tagged)
+
+
+class _CollectiveStream(_GrpcStream):
+    def __init__(self, sender: CollectiveSender, group, header: KVHeader) -> None:  # type: ignore[no-untyped-def]
+        self.group = group
+        self.groups = sender.groups
+        super().__init__(sender, header)
+
+    def _run(self) -> int:
+        with self.group.transfer():
+            return super()._run()
+
+    def _after(self, message: object) -> None:
+        if isinstance(message, KVChunk):
+            self.groups.send(self.group, message, self.header.tag)
+
+
+class _FailedStream(SendStream):
+    """A transfer that could not start (no group with the peer): fails at once with that error."""
+
+    def __init__(self, header: KVHeader, error: TransferError) -> None:
+        self._error = error
+        super().__init__(header)
+
+    def _run(self) -> int:
+        raise self._error

@@ -1,0 +1,261 @@
+"""The KV transfer wire format: pure, versioned encode/decode of a header, per-layer chunks and a commit.
+
+One transfer is a header, then one chunk per group of layers, then a commit:
+
+    header  request id, model fingerprint, dtype, layer count, KV heads, head dim, block size,
+            the token ids [0, num_tokens), the sampling parameters, format version
+    chunk   layers [layer_start, layer_start + layer_count): key and value tensors shaped
+            [layer_count, num_tokens, num_kv_heads, head_dim] as raw little-endian bytes, and
+            the CRC32 of key followed by value
+    commit  the first token, sampled by the prefill worker after the last layer
+
+The tensors are the positions [0, num_tokens) gathered out of the paged cache's
+`[num_blocks, block_size, num_kv_heads, head_dim]` layout, so either end may use any block size.
+Nothing is pickled: protobuf for the fields, raw bytes with explicit dtype and shape for tensors.
+Every error a receiver can report is a `TransferError` carrying the gRPC status code that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import zlib
+from dataclasses import dataclass
+
+import grpc
+import torch
+from tandem.v1 import kv_transfer_pb2 as pb
+
+from cluster.request import SamplingParams, params_from_proto, params_to_proto
+
+FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+assert sys.byteorder == "little", "the wire carries little-endian tensors"
+
+
+class TransferError(Exception):
+    """A transfer refused or broken; `code` is the gRPC status that names why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    request_id: str
+    fingerprint: bytes
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    capability: bytes = b""
+    group_id: str = ""  # collective transport: the group carrying the tensors
+    tag: int = 0
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def chunk_shape(self, layer_count: int) -> tuple[int, int, int, int]:
+        return (layer_count, self.num_tokens, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    layer_start: int
+    key: torch.Tensor  # [layer_count, num_tokens, num_kv_heads, head_dim], contiguous, on CPU or GPU
+    value: torch.Tensor
+    checksum: int
+
+    @property
+    def layer_count(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.key.numel() * self.key.element_size()
+
+
+@dataclass(frozen=True)
+class KVCommit:
+    first_token: int
+
+
+Message = KVHeader | KVChunk | KVCommit
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (one copy to host memory for a GPU tensor)."""
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.cpu().numpy())
+
+
+def checksum(key: torch.Tensor, value: torch.Tensor) -> int:
+    """CRC32 of the key's bytes followed by the value's."""
+    return zlib.crc32(_as_bytes(value), zlib.crc32(_as_bytes(key)))
+
+
+def make_chunk(layer_start: int, key: torch.Tensor, value: torch.Tensor) -> KVChunk:
+    key, value = key.contiguous(), value.contiguous()
+    if key.shape != value.shape or key.dim() != 4:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be one [L, T, H, D] shape")
+    return KVChunk(layer_start, key, value, checksum(key, value))
+
+
+def verify_chunk(header: KVHeader, chunk: KVChunk) -> None:
+    """Raises DATA_LOSS unless `chunk` has the header's shape and dtype and its checksum holds."""
+    if not 0 <= chunk.layer_start < chunk.layer_start + chunk.layer_count <= header.num_layers:
+        raise TransferError(
+            grpc.StatusCode.DATA_LOSS,
+            f"chunk layers [{chunk.layer_start}, {chunk.layer_start + chunk.layer_count}) "
+            f"outside [0, {header.num_layers})",
+        )
+    shape = header.chunk_shape(chunk.layer_count)
+    for name, t in (("key", chunk.key), ("value", chunk.value)):
+        if tuple(t.shape) != shape or DTYPE_NAMES.get(t.dtype) != header.dtype:
+            raise TransferError(
+                grpc.StatusCode.DATA_LOSS,
+                f"chunk {name} is {DTYPE_NAMES.get(t.dtype, t.dtype)} {tuple(t.shape)}, "
+                f"header says {header.dtype} {shape}",
+            )
+    actual = checksum(chunk.key, chunk.value)
+    if actual != chunk.checksum:
+        raise TransferError(
+            grpc.StatusCode.DATA_LOSS,
+            f"checksum mismatch in layers [{chunk.layer_start}, {chunk.layer_start + chunk.layer_count}): "
+            f"sent {chunk.checksum:#010x}, received {actual:#010x}",
+        )
+
+
+# -- protobuf ------------------------------------------------------------------------------------
+
+
+def encode_header(h: KVHeader) -> pb.KVTransferMessage:
+    return pb.KVTransferMessage(
+        header=pb.KVHeader(
+            format_version=h.format_version,
+            request_id=h.request_id,
+            model_fingerprint=h.fingerprint,
+            dtype=h.dtype,
+            num_layers=h.num_layers,
+            num_kv_heads=h.num_kv_heads,
+            head_dim=h.head_dim,
+            block_size=h.block_size,
+            num_tokens=h.num_tokens,
+            capability=h.capability,
+            token_ids=h.token_ids,
+            sampling=params_to_proto(h.sampling),
+            group_id=h.group_id,
+            tag=h.tag,
+        )
+    )
+
+
+def decode_header(m: pb.KVHeader) -> KVHeader:
+    if m.format_version != FORMAT_VERSION:
+        raise TransferError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"KV wire format {m.format_version} is not supported (this worker speaks {FORMAT_VERSION})",
+        )
+    if m.dtype not in DTYPES:
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown KV dtype {m.dtype!r}")
+    if m.num_tokens != len(m.token_ids) or m.num_tokens == 0:
+        raise TransferError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"header carries {len(m.token_ids)} token ids for num_tokens={m.num_tokens}; needs at least one",
+        )
+    try:
+        sampling = params_from_proto(m.sampling)
+    except ValueError as e:
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}") from None
+    return KVHeader(
+        request_id=m.request_id,
+        fingerprint=m.model_fingerprint,
+        dtype=m.dtype,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        block_size=m.block_size,
+        token_ids=tuple(m.token_ids),
+        sampling=sampling,
+        capability=m.capability,
+        group_id=m.group_id,
+        tag=m.tag,
+        format_version=m.format_version,
+    )
+
+
+def encode_chunk(c: KVChunk, inline: bool = True) -> pb.KVTransferMessage:
+    """The chunk as a message; without `inline` only its layers and checksum (the tensors go another way)."""
+    key = _as_bytes(c.key).tobytes() if inline else b""
+    value = _as_bytes(c.value).tobytes() if inline else b""
+    return pb.KVTransferMessage(
+        chunk=pb.KVChunk(
+            layer_start=c.layer_start, layer_count=c.layer_count, key=key, value=value, checksum=c.checksum
+        )
+    )
+
+
+def decode_chunk(m: pb.KVChunk, header: KVHeader) -> KVChunk:
+    """Tensors over the message's bytes (no copy); shape and checksum are checked by `verify_chunk`."""
+    shape = header.chunk_shape(m.layer_count)
+    dtype = DTYPES[header.dtype]
+    expected = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    if len(m.key) != expected or len(m.value) != expected:
+        raise TransferError(
+            grpc.StatusCode.DATA_LOSS,
+            f"chunk at layer {m.layer_start} carries {len(m.key)} + {len(m.value)} bytes, expected {expected} each",
+        )
+    if expected == 0:
+        return KVChunk(m.layer_start, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), m.checksum)
+    key = torch.frombuffer(bytearray(m.key), dtype=dtype).view(shape)
+    value = torch.frombuffer(bytearray(m.value), dtype=dtype).view(shape)
+    return KVChunk(m.layer_start, key, value, m.checksum)
+
+
+def encode_commit(c: KVCommit) -> pb.KVTransferMessage:
+    return pb.KVTransferMessage(commit=pb.KVCommit(first_token=c.first_token))
+
+
+def encode(message: Message, inline: bool = True) -> pb.KVTransferMessage:
+    if isinstance(message, KVHeader):
+        return encode_header(message)
+    if isinstance(message, KVChunk):
+        return encode_chunk(message, inline)
+    return encode_commit(message)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# -- the model fingerprint -----------------------------------------------------------------------
+
+
+def model_fingerprint(model: torch.nn.Module, arch: object) -> bytes:
+    """SHA-256 over the architecture and every parameter's name, dtype, shape and bytes.
+
+    Computed once at load; two workers agree only when they serve the same weights in the same dtype.
+    """
+    digest = hashlib.sha256()
+    fields = dataclasses.asdict(arch) if dataclasses.is_dataclass(arch) else vars(arch)  # type: ignore[arg-type]
+    digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
+        digest.update(f"{name}:{DTYPE_NAMES.get(tensor.dtype, tensor.dtype)}:{tuple(tensor.shape)}".encode())
+        digest.update(_as_bytes(tensor))
+    return digest.digest()

@@ -1,0 +1,203 @@
+"""The receiving end of KV transfers on a decode worker (a `cluster.kv_transport.KVReceiver`).
+
+Lifecycle of one transfer:
+
+    reserve(header)   RESERVED   the header checks out (format, model fingerprint, layout, id not in
+                                 use) and the engine reserves the sequence's blocks; refused otherwise
+    write(chunk)      RECEIVING  each chunk's checksum is verified and its layers are written
+                                 straight into the reserved blocks of the paged cache
+    commit(token)     DONE       every layer has landed: the engine admits the sequence, with the
+                                 prefill worker's first token, into its running batch
+    fail(error)       FAILED     on any error, a broken stream, or `timeout_s` after reservation:
+                                 every reserved block is freed
+
+Positions that this worker's own prefix cache already holds are not written again (their blocks
+are shared with running sequences). Transports call in from their own threads; each transfer's
+lock orders a write against a concurrent failure, so nothing lands in a block after it is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from cluster.kv_transport import TransferState
+from cluster.kv_wire import DTYPE_NAMES, KVChunk, KVHeader, TransferError, verify_chunk
+from decode_worker.engine import Engine
+
+
+@dataclass(eq=False)
+class Transfer:
+    header: KVHeader
+    deadline: float
+    slots: torch.Tensor  # [num_tokens - cached] cache slots of the positions this transfer writes
+    cached: int  # leading positions already in this worker's prefix cache
+    state: TransferState = TransferState.RESERVED
+    layers: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class KVIntake:
+    def __init__(
+        self,
+        engine: Engine,
+        fingerprint: bytes,
+        timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.clock = clock
+        model = engine.runner.model
+        arch = model.arch
+        self.layout = {
+            "dtype": DTYPE_NAMES[model.embed_tokens.weight.dtype],
+            "num_layers": arch.num_layers,
+            "num_kv_heads": arch.num_kv_heads,
+            "head_dim": arch.head_dim,
+        }
+        self.block_size = engine.scheduler.blocks.block_size
+        self._transfers: dict[str, Transfer] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._transfers)
+
+    # -- the receiver contract ---------------------------------------------------------------------
+
+    def reserve(self, header: KVHeader) -> Transfer:
+        self._check_header(header)
+        with self._lock:
+            if header.request_id in self._transfers:
+                raise TransferError(
+                    grpc.StatusCode.ALREADY_EXISTS, f"a transfer for {header.request_id!r} is in flight"
+                )
+            try:
+                table, cached = self.engine.reserve(header.request_id, header.token_ids, header.sampling)
+            except KeyError as e:
+                raise TransferError(grpc.StatusCode.ALREADY_EXISTS, e.args[0]) from None
+            except ValueError as e:
+                raise TransferError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
+            except MemoryError as e:
+                raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            positions = torch.arange(cached, header.num_tokens)
+            blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
+            slots = (blocks * self.block_size + positions % self.block_size).to(self.engine.kv_cache[0][0].device)
+            transfer = Transfer(header, self.clock() + self.timeout_s, slots, cached)
+            self._transfers[header.request_id] = transfer
+            return transfer
+
+    def write(self, transfer: Transfer, chunk: KVChunk) -> None:  # type: ignore[override]
+        try:
+            verify_chunk(transfer.header, chunk)
+            with transfer.lock:
+                self._require_live(transfer)
+                transfer.state = TransferState.RECEIVING
+                self._copy_into_cache(transfer, chunk)
+                transfer.layers.update(range(chunk.layer_start, chunk.layer_start + chunk.layer_count))
+        except TransferError as e:
+            self.fail(transfer, e)
+            raise
+
+    def commit(self, transfer: Transfer, first_token: int) -> int:  # type: ignore[override]
+        header = transfer.header
+        try:
+            with transfer.lock:
+                self._require_live(transfer)
+                missing = header.num_layers - len(transfer.layers)
+                if missing:
+                    raise TransferError(grpc.StatusCode.DATA_LOSS, f"commit with {missing} layers never received")
+                num_blocks = len(self.engine.scheduler.blocks.block_table(header.request_id))
+                self.engine.admit(header.request_id, header.token_ids, header.sampling, first_token)
+                transfer.state = TransferState.DONE
+        except TransferError as e:
+            self.fail(transfer, e)
+            raise
+        with self._lock:
+            self._transfers.pop(header.request_id, None)
+        return num_blocks
+
+    def fail(self, transfer: Transfer, error: TransferError) -> None:  # type: ignore[override]
+        with transfer.lock:
+            if transfer.state in (TransferState.DONE, TransferState.FAILED):
+                return
+            transfer.state = TransferState.FAILED
+            self.engine.release(transfer.header.request_id)
+        with self._lock:
+            if self._transfers.get(transfer.header.request_id) is transfer:
+                del self._transfers[transfer.header.request_id]
+
+    # -- timeouts ----------------------------------------------------------------------------------
+
+    def reap(self) -> int:
+        """Fails every transfer past its deadline; returns how many."""
+        now = self.clock()
+        with self._lock:
+            expired = [t for t in self._transfers.values() if t.deadline <= now]
+        for transfer in expired:
+            self.fail(transfer, TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "transfer timed out"))
+        return len(expired)
+
+    def start(self, interval_s: float | None = None) -> None:
+        """Reaps expired transfers on a background thread until `close()`."""
+        interval = interval_s if interval_s is not None else min(1.0, self.timeout_s / 4)
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                self.reap()
+
+        self._reaper = threading.Thread(target=loop, daemon=True, name="kv-intake-reaper")
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            transfers = list(self._transfers.values())
+        for transfer in transfers:
+            self.fail(transfer, TransferError(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down"))
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _check_header(self, header: KVHeader) -> None:
+        if header.fingerprint != self.fingerprint:
+            raise TransferError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the sender serves another model (its fingerprint differs from this worker's)",
+            )
+        vocab = self.engine.runner.model.arch.vocab_size
+        if max(header.token_ids) >= vocab:
+            raise TransferError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token id {max(header.token_ids)} >= vocabulary {vocab}"
+            )
+        for name, ours in self.layout.items():
+            theirs = getattr(header, name)
+            if theirs != ours:
+                raise TransferError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"KV layout differs: sender {name}={theirs}, this worker {ours}",
+                )
+
+    @staticmethod
+    def _require_live(transfer: Transfer) -> None:
+        if transfer.state is TransferState.FAILED:
+            raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "transfer already failed (timed out or aborted)")
+
+    def _copy_into_cache(self, transfer: Transfer, chunk: KVChunk) -> None:
+        cached = transfer.cached
+        kv_cache = self.engine.kv_cache
+        for j in range(chunk.layer_count):
+            k_cache, v_cache = kv_cache[chunk.layer_start + j]
+            _, _, heads, dim = k_cache.shape
+            key = chunk.key[j, cached:].to(k_cache.device, non_blocking=True)
+            value = chunk.value[j, cached:].to(v_cache.device, non_blocking=True)
+            k_cache.view(-1, heads, dim).index_copy_(0, transfer.slots, key)
+            v_cache.view(-1, heads, dim).index_copy_(0, transfer.slots, value)

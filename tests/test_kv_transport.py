@@ -1,0 +1,277 @@
+"""One conformance suite for every KV transport (and an in-memory wire fake): round trip, wrong
+fingerprint, corrupted chunk, a sender that dies mid-stream, a duplicate request id, no room.
+After every case the decode worker's block manager checks out and holds no leaked block."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+import pytest
+import torch
+from tandem.v1 import kv_transfer_pb2 as pb
+
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.kv_collective import CollectiveGroups
+from cluster.kv_grpc import CollectiveSender, GrpcSender, serve
+from cluster.kv_transport import KVReceiver, LocalSender, SendStream, TransferState
+from cluster.kv_wire import (
+    KVChunk,
+    KVCommit,
+    KVHeader,
+    decode_chunk,
+    decode_header,
+    encode,
+    make_chunk,
+    model_fingerprint,
+)
+from cluster.loader import load_model
+from cluster.request import SamplingParams
+from decode_worker.engine import Engine
+from decode_worker.kv_intake import KVIntake
+
+TIMEOUT_S = 1.0
+CACHE = CacheConfig(block_size=4, num_blocks=40, watermark=0.0)
+
+
+class NoText:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+class WireFake:
+    """Every message through its protobuf bytes and back, in memory: the wire format on its own."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+
+    def open(self, header: KVHeader) -> SendStream:
+        return _WireStream(self.receiver, header)
+
+
+class _WireStream(SendStream):
+    def __init__(self, receiver: KVReceiver, header: KVHeader) -> None:
+        self.receiver = receiver
+        super().__init__(header)
+
+    def _run(self) -> int:
+        transfer = header = None
+        for message in self._messages():
+            m = pb.KVTransferMessage.FromString(encode(message).SerializeToString())
+            if m.HasField("header"):
+                header = decode_header(m.header)
+                transfer = self.receiver.reserve(header)
+            elif m.HasField("chunk"):
+                self.receiver.write(transfer, decode_chunk(m.chunk, header))
+            else:
+                return self.receiver.commit(transfer, m.commit.first_token)
+        raise AssertionError("stream ended without a commit")
+
+
+@pytest.fixture(scope="module")
+def model(hf_models):
+    return load_model(hf_models["llama"][0], "float32")
+
+
+@pytest.fixture(params=["fake", "local", "grpc", "collective"])
+def link(request, model):
+    """(sender, decode engine, intake) with the decode side served over the transport."""
+    engine = Engine(model, NoText(), CACHE, SchedulerConfig(max_num_seqs=8))
+    intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=TIMEOUT_S)
+    intake.start(interval_s=0.05)
+    closers = [intake.close]
+    if request.param == "fake":
+        sender = WireFake(intake)
+    elif request.param == "local":
+        sender = LocalSender(intake)
+    else:
+        groups = CollectiveGroups("cpu", timeout_s=5.0)
+        server, port = serve(intake, groups=groups)
+        closers += [lambda: server.stop(None), groups.close]
+        if request.param == "grpc":
+            sender = GrpcSender(f"127.0.0.1:{port}", timeout_s=10.0)
+        else:
+            sender_groups = CollectiveGroups("cpu", timeout_s=5.0)
+            sender = CollectiveSender(f"127.0.0.1:{port}", sender_groups, timeout_s=10.0)
+            closers.append(sender_groups.close)
+        closers.append(sender.close)
+    yield sender, engine, intake
+    for close in reversed(closers):
+        close()
+
+
+def header_for(model, request_id: str, num_tokens: int, **changes) -> KVHeader:
+    arch = model.arch
+    header = KVHeader(
+        request_id=request_id,
+        fingerprint=model_fingerprint(model, arch),
+        dtype="float32",
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        block_size=16,  # the wire carries positions, so the sender's block size need not match
+        token_ids=tuple(range(3, 3 + num_tokens)),
+        sampling=SamplingParams(max_tokens=8, temperature=0.0),
+    )
+    return dataclasses.replace(header, **changes)
+
+
+def random_kv(header: KVHeader, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shape = header.chunk_shape(1)[1:]
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(header.num_layers)]
+
+
+def chunks(kv) -> list[KVChunk]:
+    return [make_chunk(i, k[None], v[None]) for i, (k, v) in enumerate(kv)]
+
+
+def assert_clean(engine: Engine, intake: KVIntake) -> None:
+    blocks = engine.scheduler.blocks
+    blocks.check_integrity()
+    assert intake.in_flight == 0
+    assert blocks.num_free_blocks == blocks.num_blocks, "a KV block leaked"
+
+
+def expect_failure(stream: SendStream, code: grpc.StatusCode) -> None:
+    assert stream.wait(15) is TransferState.FAILED
+    assert stream.error is not None and stream.error.code == code, stream.error
+
+
+def test_round_trip_is_bit_identical(link, model):
+    sender, engine, intake = link
+    header = header_for(model, "r1", 37)
+    kv = random_kv(header)
+    stream = sender.open(header)
+    for chunk in chunks(kv):
+        stream.send(chunk)
+    stream.commit(first_token=11)
+    assert stream.wait(15) is TransferState.DONE, stream.error
+    table = engine.scheduler.blocks.block_table("r1")
+    assert stream.num_blocks == len(table) == 10
+    for layer, (k, v) in enumerate(kv):
+        k_cache, v_cache = engine.kv_cache[layer]
+        got_k = k_cache[table].flatten(0, 1)[: header.num_tokens]
+        got_v = v_cache[table].flatten(0, 1)[: header.num_tokens]
+        assert torch.equal(got_k, k) and torch.equal(got_v, v), f"layer {layer}"
+    first, second = engine.step()  # the first token comes out with the next step, which decodes the second
+    assert first.request_id == second.request_id == "r1" and first.token_ids == [11] and not first.finished
+    assert engine.abort("r1")
+    assert_clean(engine, intake)
+
+
+def test_wrong_fingerprint_is_refused(link, model):
+    sender, engine, intake = link
+    stream = sender.open(header_for(model, "r2", 9, fingerprint=b"another model"))
+    for chunk in chunks(random_kv(header_for(model, "r2", 9))):
+        stream.send(chunk)
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.FAILED_PRECONDITION)
+    assert_clean(engine, intake)
+
+
+def test_corrupted_chunk_is_data_loss(link, model):
+    sender, engine, intake = link
+    header = header_for(model, "r3", 21)
+    good = chunks(random_kv(header))
+    key = good[1].key.clone()
+    key.view(-1)[5] += 1.0  # a flipped value after the checksum was taken
+    stream = sender.open(header)
+    stream.send(good[0])
+    stream.send(KVChunk(1, key, good[1].value, good[1].checksum))
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.DATA_LOSS)
+    assert_clean(engine, intake)
+
+
+def test_sender_dying_mid_stream_frees_blocks_within_the_timeout(link, model):
+    sender, engine, intake = link
+    header = header_for(model, "r4", 30)
+    stream = sender.open(header)
+    stream.send(chunks(random_kv(header))[0])
+    blocks = engine.scheduler.blocks
+    start = time.monotonic()
+    while blocks.num_free_blocks == blocks.num_blocks and time.monotonic() - start < 5:
+        time.sleep(0.01)  # wait for the reservation to land
+    assert blocks.num_free_blocks < blocks.num_blocks, "the header should have reserved blocks"
+    reserved_at = time.monotonic()
+    # The sender now goes silent: no more chunks, no commit, no goodbye.
+    while blocks.num_free_blocks < blocks.num_blocks and time.monotonic() - reserved_at < TIMEOUT_S + 3:
+        time.sleep(0.02)
+    freed_after = time.monotonic() - reserved_at
+    assert_clean(engine, intake)
+    assert freed_after <= TIMEOUT_S + 0.5
+    stream.abort()
+    assert stream.wait(15) is TransferState.FAILED
+
+
+def test_duplicate_request_id_is_refused_and_the_first_transfer_survives(link, model):
+    sender, engine, intake = link
+    header = header_for(model, "r5", 13)
+    kv = chunks(random_kv(header))
+    first = sender.open(header)
+    first.send(kv[0])
+    start = time.monotonic()
+    while intake.in_flight == 0 and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    second = sender.open(header)
+    second.commit(1)
+    expect_failure(second, grpc.StatusCode.ALREADY_EXISTS)
+    for chunk in kv[1:]:
+        first.send(chunk)
+    first.commit(2)
+    assert first.wait(15) is TransferState.DONE, first.error
+    engine.step()
+    assert engine.abort("r5")
+    assert_clean(engine, intake)
+
+
+def test_no_room_is_resource_exhausted(link, model):
+    sender, engine, intake = link
+    size = CACHE.num_blocks * CACHE.block_size - 8  # fits an empty cache, not one holding "busy"
+    header = header_for(model, "r6", size, token_ids=(7,) * size, sampling=SamplingParams(max_tokens=4))
+    busy = sender.open(header_for(model, "busy", 20))
+    for chunk in chunks(random_kv(header_for(model, "busy", 20))):
+        busy.send(chunk)
+    busy.commit(1)
+    assert busy.wait(15) is TransferState.DONE, busy.error
+    stream = sender.open(header)
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    engine.step()
+    assert engine.abort("busy")
+    assert_clean(engine, intake)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(model):
+    engine = Engine(model, NoText(), CACHE, SchedulerConfig())
+    intake = KVIntake(engine, model_fingerprint(model, model.arch))
+    stream = LocalSender(intake).open(header_for(model, "r8", 3, token_ids=(1, 2, model.arch.vocab_size)))
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.INVALID_ARGUMENT)
+    assert_clean(engine, intake)
+
+
+def test_commit_before_every_layer_is_data_loss(model):
+    engine = Engine(model, NoText(), CACHE, SchedulerConfig())
+    intake = KVIntake(engine, model_fingerprint(model, model.arch))
+    header = header_for(model, "r7", 5)
+    stream = LocalSender(intake).open(header)
+    stream.send(chunks(random_kv(header))[0])
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.DATA_LOSS)
+    assert_clean(engine, intake)
+
+
+def test_wire_messages_round_trip(model):
+    header = header_for(model, "w", 6, capability=b"cap", sampling=SamplingParams(max_tokens=3, seed=9, stop=("x",)))
+    assert decode_header(encode(header).header) == header
+    chunk = chunks(random_kv(header))[1]
+    back = decode_chunk(encode(chunk).chunk, header)
+    assert back.layer_start == 1 and back.checksum == chunk.checksum and torch.equal(back.key, chunk.key)
+    assert encode(KVCommit(5)).commit.first_token == 5
+    future = encode(header)
+    future.header.format_version = 99
+    with pytest.raises(Exception, match="wire format 99"):
+        decode_header(future.header)
