@@ -76,6 +76,20 @@ class TransferConfig(_Part):
         default="grpc", description="How prefill workers ship KV caches to decode workers."
     )
     layers_per_chunk: int = Field(default=1, gt=0, description="Layers carried by one transfer chunk.")
+    layerwise: bool = Field(
+        default=True,
+        description="Ship each chunk of layers as soon as the forward pass finishes them, overlapping the "
+        "transfer with the remaining layers' compute; off: ship after the whole pass.",
+    )
+    max_queued_chunks: int = Field(
+        default=8, gt=0, description="Chunks a transfer may queue before the sender waits (flow control)."
+    )
+    max_message_mib: int = Field(
+        default=256, gt=0, description="gRPC message size limit for transfer streams, in MiB, on both ends."
+    )
+    max_groups: int = Field(
+        default=8, gt=0, description="Most torch.distributed groups a worker keeps open (collective transport)."
+    )
     timeout_s: float = Field(
         default=30.0, gt=0, description="A transfer not finished by then fails and frees its blocks."
     )

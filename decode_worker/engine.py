@@ -163,6 +163,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         with self.lock:
             self._streams.pop(request_id, None)
+            self._pending = [out for out in self._pending if out.request_id != request_id]
             return self.scheduler.abort(request_id) is not None
 
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,226 @@
+"""The prefill worker's engine: prompts in, first tokens out, KV caches shipped to decode workers.
+
+Lifecycle of a request:
+
+    add_request(id, prompt, params, sender)   WAITING   queued for a forward pass
+    step()                                    RUNNING   its prompt runs, in chunks if it is long; on
+                                                        the last chunk the transfer header goes out
+                                                        before the pass, each group of layers as soon
+                                                        as the pass finishes them, and the commit
+                                                        with the sampled first token after it
+                                              LEASED    its blocks stay in the cache until the decode
+                                                        worker acknowledges, or `lease_s` passes
+    release                                             blocks freed into the prefix cache
+
+`step()` is the same three calls as on a decode worker (schedule, execute, update) plus shipping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cluster.block_manager import BlockManager
+from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
+from cluster.kv_transport import KVSender, SendStream
+from cluster.kv_wire import DTYPE_NAMES, KVHeader, make_chunk, model_fingerprint
+from cluster.model import CausalLM
+from cluster.model_runner import ModelRunner
+from cluster.request import Request, SamplingParams, ScheduledChunk
+from cluster.sampler import Sampler, SampleRow
+from prefill_worker.scheduler import PrefillScheduler
+
+
+@dataclass
+class PrefillOutput:
+    request_id: str
+    first_token: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    transfer: SendStream
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    waiting: int
+    prefilling: int
+    leased: int
+    queued_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    prefix_hit_rate: float  # share of full prompt blocks found in the prefix cache
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass
+class _Job:
+    request: Request
+    sender: KVSender
+    generator: torch.Generator | None
+    stream: SendStream | None = None
+    lease_deadline: float = 0.0
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        transfer: TransferConfig,
+        num_blocks: int,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.transfer = transfer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.clock = clock
+        self.num_blocks = num_blocks
+        blocks = BlockManager(num_blocks, cache.block_size, cache.watermark, prefix_caching=cache.enable_prefix_caching)
+        self.scheduler = PrefillScheduler(scheduler, blocks)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed))
+        self.fingerprint = model_fingerprint(model, model.arch)  # once, at load
+        self._jobs: dict[str, _Job] = {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self.scheduler.held)
+
+    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams, sender: KVSender) -> None:
+        """Queues a prompt whose KV goes to the decode worker behind `sender`; raises ValueError if it can never run."""
+        if request_id in self._jobs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(request_id, list(prompt), params)
+        self.scheduler.add(request)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._jobs[request_id] = _Job(request, sender, generator)
+
+    def abort(self, request_id: str) -> bool:
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return False
+        if job.stream is not None:
+            job.stream.abort()
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[PrefillOutput]:
+        self.poll_leases()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        finishing = [c for c in plan.chunks if c.samples]
+        for c in finishing:
+            self._jobs[c.request.request_id].stream = self._open(c.request)
+        ship = self._shipper(finishing)
+        result = self.runner.execute(
+            plan, [self._row(c.request) for c in finishing], ship if self.transfer.layerwise else None
+        )
+        if not self.transfer.layerwise:
+            for layer in range(self.model.arch.num_layers):
+                ship(layer)
+        outputs = []
+        now = self.clock()
+        for i, request in enumerate(self.scheduler.update(plan)):
+            job = self._jobs[request.request_id]
+            assert job.stream is not None
+            job.stream.commit(result.token_ids[i])
+            job.lease_deadline = now + self.transfer.lease_s
+            logprob = result.logprobs[i] if result.logprobs is not None else None
+            top = result.top_logprobs[i] if result.top_logprobs is not None else []
+            outputs.append(
+                PrefillOutput(
+                    request.request_id, result.token_ids[i], logprob, top,
+                    request.num_prompt_tokens, request.num_cached_tokens, job.stream,
+                )
+            )  # fmt: skip
+        return outputs
+
+    def poll_leases(self) -> int:
+        """Releases the blocks of transfers that finished (acknowledged or failed) or outlived their lease."""
+        now, released = self.clock(), 0
+        for request_id in list(self.scheduler.held):
+            job = self._jobs[request_id]
+            assert job.stream is not None
+            if not job.stream.finished and now < job.lease_deadline:
+                continue
+            if not job.stream.finished:
+                job.stream.abort()  # the decode worker vanished: stop waiting for it
+            self.scheduler.release(request_id)
+            del self._jobs[request_id]
+            released += 1
+        return released
+
+    def stats(self) -> PrefillStats:
+        s, blocks = self.scheduler, self.scheduler.blocks
+        return PrefillStats(
+            waiting=len(s.waiting),
+            prefilling=len(s.prefilling),
+            leased=len(s.held),
+            queued_tokens=s.queued_tokens,
+            computed_tokens=s.computed_tokens,
+            cached_tokens=s.cached_tokens,
+            prefix_hit_rate=blocks.prefix_hits / blocks.prefix_queries if blocks.prefix_queries else 0.0,
+            free_blocks=blocks.num_free_blocks,
+            total_blocks=blocks.num_blocks,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _open(self, request: Request) -> SendStream:
+        arch = self.model.arch
+        header = KVHeader(
+            request_id=request.request_id,
+            fingerprint=self.fingerprint,
+            dtype=DTYPE_NAMES[self.model.embed_tokens.weight.dtype],
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            block_size=self.scheduler.blocks.block_size,
+            token_ids=tuple(request.prompt_token_ids),
+            sampling=request.params,
+        )
+        return self._jobs[request.request_id].sender.open(header)
+
+    def _shipper(self, finishing: list[ScheduledChunk]) -> Callable[[int], None]:
+        """The per-layer hook: once the last layer of a chunk group is done, gathers each finishing
+        prompt's keys and values for those layers out of the paged cache and sends them."""
+        per_chunk = self.transfer.layers_per_chunk
+        num_layers = self.model.arch.num_layers
+        device = self.runner.device
+        tables = [torch.tensor(c.block_table, dtype=torch.long, device=device) for c in finishing]
+
+        def ship(layer: int) -> None:
+            if (layer + 1) % per_chunk and layer != num_layers - 1:
+                return
+            first = layer - (layer % per_chunk)
+            for c, table in zip(finishing, tables, strict=True):
+                n = c.request.num_prompt_tokens
+                keys, values = [], []
+                for i in range(first, layer + 1):
+                    k_cache, v_cache = self.runner.kv_cache[i]
+                    keys.append(k_cache[table].flatten(0, 1)[:n])  # [n, kv_heads, hd]
+                    values.append(v_cache[table].flatten(0, 1)[:n])
+                stream = self._jobs[c.request.request_id].stream
+                assert stream is not None
+                stream.send(make_chunk(first, torch.stack(keys), torch.stack(values)))
+
+        return ship
+
+    def _row(self, request: Request) -> SampleRow:
+        params = request.params
+        suppressed: tuple[int, ...] = ()
+        if params.min_tokens > 0:
+            suppressed = (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
+        generator = self._jobs[request.request_id].generator
+        return SampleRow(params, request.prompt_token_ids, [], generator, suppressed)
