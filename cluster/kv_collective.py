@@ -178,7 +178,8 @@ class CollectiveGroups:
         with self._lock:
             group = self._groups.get(group_id)
             if group is None:
-                raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, f"no KV group {group_id!r} on this worker")
+                # UNAVAILABLE, like a broken group: the sender drops its end and sets up a new one.
+                raise TransferError(grpc.StatusCode.UNAVAILABLE, f"no KV group {group_id!r} on this worker")
             self._groups.move_to_end(group_id)
             return group
 

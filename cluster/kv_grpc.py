@@ -13,6 +13,7 @@ header, chunk messages carry only layers and checksum, and the tensors arrive ov
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -22,7 +23,17 @@ from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_transport import KVReceiver, SendStream
-from cluster.kv_wire import KVChunk, KVHeader, TransferError, decode_chunk, decode_header, encode
+from cluster.kv_wire import (
+    KVChunk,
+    KVHeader,
+    Message,
+    TransferError,
+    WireChunk,
+    decode_chunk,
+    decode_header,
+    deserialize,
+    serialize,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
@@ -31,6 +42,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # Read the socket in MiB-sized pieces rather than gRPC's default few KiB: transfer messages
+        # are megabytes of tensor bytes (measured on loopback: ~1.3x the throughput).
+        ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
+        ("grpc.experimental.tcp_min_read_chunk_size", 4 << 20),
+        ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
     ]
 
 
@@ -39,24 +55,23 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         self.receiver = receiver
         self.groups = groups
 
-    def Push(self, request_iterator: Iterator[pb.KVTransferMessage], context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+    def Push(self, request_iterator: Iterator[pb.KVHeader | WireChunk | pb.KVCommit], context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
         transfer, error = None, None
         try:
             header: KVHeader | None = None
             for message in request_iterator:
-                kind = message.WhichOneof("payload")
                 if header is None:
-                    if kind != "header":
+                    if not isinstance(message, pb.KVHeader):
                         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a transfer starts with its header")
-                    header = decode_header(message.header)
+                    header = decode_header(message)
                     transfer = self.receiver.reserve(header)
-                elif kind == "chunk":
-                    self.receiver.write(transfer, self._chunk(header, message.chunk))
-                elif kind == "commit":
-                    num_blocks = self.receiver.commit(transfer, message.commit.first_token)
+                elif isinstance(message, WireChunk):
+                    self.receiver.write(transfer, self._chunk(header, message))
+                elif isinstance(message, pb.KVCommit):
+                    num_blocks = self.receiver.commit(transfer, message.first_token)
                     return pb.KVTransferResult(accepted=True, num_blocks=num_blocks)
                 else:
-                    raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} after the header")
+                    raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one transfer")
             error = TransferError(grpc.StatusCode.CANCELLED, "the stream ended before its commit")
         except TransferError as e:
             error = e
@@ -75,7 +90,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             context.abort(e.code, e.message)
         return pb.JoinGroupResult()
 
-    def _chunk(self, header: KVHeader, m: pb.KVChunk):  # type: ignore[no-untyped-def]
+    def _chunk(self, header: KVHeader, m: WireChunk):  # type: ignore[no-untyped-def]
         if not header.group_id:
             return decode_chunk(m, header)
         if self.groups is None:
@@ -92,12 +107,29 @@ def serve(
 ) -> tuple[grpc.Server, int]:
     """Starts a KVTransfer server; returns it and the port it bound."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=channel_options(max_message_bytes))
-    pb_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver, groups), server)
+    server.add_generic_rpc_handlers((handlers(KVTransferService(receiver, groups)),))
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind the KV transfer server to {address}")
     server.start()
     return server, port
+
+
+def handlers(service: KVTransferService) -> grpc.GenericRpcHandler:
+    """The KVTransfer service with `Push` read through `deserialize` (chunk tensors without a copy)."""
+    return grpc.method_handlers_generic_handler(
+        "tandem.v1.KVTransfer",
+        {
+            "Push": grpc.stream_unary_rpc_method_handler(
+                service.Push, request_deserializer=deserialize,
+                response_serializer=pb.KVTransferResult.SerializeToString,
+            ),
+            "JoinGroup": grpc.unary_unary_rpc_method_handler(
+                service.JoinGroup, request_deserializer=pb.JoinGroupRequest.FromString,
+                response_serializer=pb.JoinGroupResult.SerializeToString,
+            ),
+        },
+    )  # fmt: skip
 
 
 class GrpcSender:
@@ -131,31 +163,35 @@ class _GrpcStream(SendStream):
         self._send_error: TransferError | None = None  # raised on gRPC's thread while sending
         super().__init__(header, sender.max_queued)
 
-    def _requests(self) -> Iterator[pb.KVTransferMessage]:
+    def _requests(self) -> Iterator[Message]:
         try:
-            yield from self._encoded()
+            yield from self._checked()
         except TransferError as e:
             self._send_error = e
             raise
 
-    def _encoded(self) -> Iterator[pb.KVTransferMessage]:
+    def _checked(self) -> Iterator[Message]:
+        inline = not self.header.group_id
         for message in self._messages():
-            encoded = encode(message, inline=not self.header.group_id)
-            size = encoded.ByteSize()
-            if size > self.sender.max_message_bytes:
+            if inline and isinstance(message, KVChunk) and message.nbytes + 64 > self.sender.max_message_bytes:
                 raise TransferError(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"a {size}-byte message exceeds the {self.sender.max_message_bytes}-byte limit; "
-                    "send fewer layers per chunk",
+                    f"a {message.nbytes}-byte chunk exceeds the {self.sender.max_message_bytes}-byte message "
+                    "limit; send fewer layers per chunk",
                 )
-            yield encoded
+            yield message
             self._after(message)
 
     def _after(self, message: object) -> None:
         """Runs once `message` has been handed to gRPC (the collective stream sends tensors here)."""
 
     def _run(self) -> int:
-        self._call = self.sender.stub.Push.future(self._requests(), timeout=self.sender.timeout_s)
+        push = self.sender.channel.stream_unary(
+            "/tandem.v1.KVTransfer/Push",
+            request_serializer=functools.partial(serialize, inline=not self.header.group_id),
+            response_deserializer=pb.KVTransferResult.FromString,
+        )
+        self._call = push.future(self._requests(), timeout=self.sender.timeout_s)
         try:
             return self._call.result().num_blocks
         except (grpc.RpcError, grpc.FutureCancelledError) as e:
@@ -195,7 +231,12 @@ class _CollectiveStream(_GrpcStream):
 
     def _run(self) -> int:
         with self.group.transfer():
-            return super()._run()
+            try:
+                return super()._run()
+            except TransferError as e:
+                if e.code is grpc.StatusCode.UNAVAILABLE:  # the group broke on either end
+                    self.groups.drop(self.group.group_id)
+                raise
 
     def _after(self, message: object) -> None:
         if isinstance(message, KVChunk):

@@ -20,11 +20,14 @@ from cluster.kv_wire import (
     KVChunk,
     KVCommit,
     KVHeader,
+    WireChunk,
     decode_chunk,
     decode_header,
+    deserialize,
     encode,
     make_chunk,
     model_fingerprint,
+    serialize,
 )
 from cluster.loader import load_model
 from cluster.request import SamplingParams
@@ -275,3 +278,93 @@ def test_wire_messages_round_trip(model):
     future.header.format_version = 99
     with pytest.raises(Exception, match="wire format 99"):
         decode_header(future.header)
+
+
+@pytest.mark.parametrize("layer_start", [0, 1])
+def test_fast_chunk_framing_is_protobuf(model, layer_start):
+    header = header_for(model, "f", 7)
+    chunk = chunks(random_kv(header))[layer_start]
+    for inline in (True, False):
+        data = serialize(chunk, inline)
+        assert data == encode(chunk, inline).SerializeToString()  # byte for byte what protobuf writes
+        parsed = deserialize(data)
+        assert isinstance(parsed, WireChunk) and parsed.checksum == chunk.checksum
+        assert parsed.layer_start == layer_start and parsed.layer_count == 1
+    back = decode_chunk(deserialize(serialize(chunk)), header)
+    assert torch.equal(back.key, chunk.key) and torch.equal(back.value, chunk.value)
+    # Fields in another order (another protobuf writer may do that) still parse.
+    m = encode(chunk).chunk
+    reordered = (
+        pb.KVChunk(checksum=m.checksum, value=m.value).SerializeToString()
+        + pb.KVChunk(key=m.key, layer_count=1, layer_start=layer_start).SerializeToString()
+    )
+    outer = pb.KVTransferMessage()
+    outer.chunk.ParseFromString(reordered)
+    assert decode_chunk(deserialize(outer.SerializeToString()), header).checksum == chunk.checksum
+    assert isinstance(deserialize(serialize(header)), pb.KVHeader)
+    assert deserialize(serialize(KVCommit(3))).first_token == 3
+    with pytest.raises(Exception, match="malformed"):
+        deserialize(data[:-3] if len(data) > 3 else b"\x12\x50")
+
+
+def test_cancelled_grpc_stream_frees_blocks_at_once(model):
+    engine = Engine(model, NoText(), CACHE, SchedulerConfig())
+    intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=60)  # no reaper: cancel alone frees
+    server, port = serve(intake)
+    sender = GrpcSender(f"127.0.0.1:{port}")
+    try:
+        header = header_for(model, "c1", 25)
+        stream = sender.open(header)
+        stream.send(chunks(random_kv(header))[0])
+        start = time.monotonic()
+        while intake.in_flight == 0 and time.monotonic() - start < 5:
+            time.sleep(0.01)
+        stream.abort()  # the call is cancelled, as when the sending process dies
+        assert stream.wait(10) is TransferState.FAILED
+        while intake.in_flight and time.monotonic() - start < 5:
+            time.sleep(0.01)
+        assert_clean(engine, intake)
+    finally:
+        sender.close()
+        server.stop(None)
+
+
+def test_collective_groups_are_capped_and_rebuilt_after_a_peer_goes_away(model):
+    engine = Engine(model, NoText(), CACHE, SchedulerConfig())
+    intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=5)
+    receiver_groups = CollectiveGroups("cpu", timeout_s=5, max_groups=2)
+    server, port = serve(intake, groups=receiver_groups)
+    senders = [CollectiveGroups("cpu", timeout_s=5) for _ in range(3)]
+    try:
+        for i, groups in enumerate(senders):  # three prefill workers, room for two groups
+            sender = CollectiveSender(f"127.0.0.1:{port}", groups)
+            header = header_for(model, f"g{i}", 9)
+            stream = sender.open(header)
+            for chunk in chunks(random_kv(header)):
+                stream.send(chunk)
+            stream.commit(1)
+            assert stream.wait(15) is TransferState.DONE, stream.error
+            assert engine.abort(header.request_id)
+        assert len(receiver_groups) == 2, "the least recently used group was torn down"
+        # The first prefill worker's group is gone on the far side: its next transfer fails
+        # (the receiver no longer knows the group), it drops its end, and the one after rebuilds.
+        sender = CollectiveSender(f"127.0.0.1:{port}", senders[0])
+        header = header_for(model, "again", 9)
+        stream = sender.open(header)
+        for chunk in chunks(random_kv(header)):
+            stream.send(chunk)
+        stream.commit(1)
+        assert stream.wait(15) is TransferState.FAILED
+        assert_clean(engine, intake)
+        assert len(senders[0]) == 0
+        retry = sender.open(header)
+        for chunk in chunks(random_kv(header)):
+            retry.send(chunk)
+        retry.commit(1)
+        assert retry.wait(15) is TransferState.DONE, retry.error
+        assert engine.abort("again")
+        assert_clean(engine, intake)
+    finally:
+        server.stop(None)
+        for groups in [receiver_groups, *senders]:
+            groups.close()
