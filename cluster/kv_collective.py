@@ -195,6 +195,7 @@ class CollectiveGroups:
         prefixed = dist.PrefixStore(group_id, store)
         try:
             if self.backend == "nccl":
+                torch.cuda.set_device(self.device)
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 out["group"] = dist.ProcessGroupNCCL(prefixed, rank, 2, options)

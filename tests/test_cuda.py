@@ -49,3 +49,18 @@ def test_cuda_engine_matches_cpu_engine(hf_models):
         return out
 
     assert run("cuda") == run("cpu")
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices (it refuses two ranks on one GPU)"
+)
+def test_kv_moves_between_two_cuda_processes_over_nccl_bit_for_bit():
+    """The CPU twins: the Gloo path of the same code in test_disaggregated.py and test_kv_transport.py."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kv_nccl.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("OK:"), result.stdout
