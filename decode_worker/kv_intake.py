@@ -63,7 +63,7 @@ class KVIntake:
             "head_dim": arch.head_dim,
         }
         self.block_size = engine.scheduler.blocks.block_size
-        self._transfers: dict[str, Transfer] = {}
+        self._transfers: dict[str, Transfer | None] = {}  # None while its blocks are being reserved
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -76,27 +76,28 @@ class KVIntake:
 
     def reserve(self, header: KVHeader) -> Transfer:
         self._check_header(header)
+        rid = header.request_id
         with self._lock:
-            if header.request_id in self._transfers:
-                raise TransferError(
-                    grpc.StatusCode.ALREADY_EXISTS, f"a transfer for {header.request_id!r} is in flight"
-                )
-            try:
-                table, cached = self.engine.reserve(header.request_id, header.token_ids, header.sampling)
-            except KeyError as e:
-                raise TransferError(grpc.StatusCode.ALREADY_EXISTS, e.args[0]) from None
-            except ValueError as e:
-                raise TransferError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
-            except MemoryError as e:
-                raise TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-            positions = torch.arange(cached, header.num_tokens)
-            blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
-            slots = (blocks * self.block_size + positions % self.block_size).to(self.engine.kv_cache[0][0].device)
-            transfer = Transfer(header, self.clock() + self.timeout_s, slots, cached)
-            self._transfers[header.request_id] = transfer
-            return transfer
+            if rid in self._transfers:
+                raise TransferError(grpc.StatusCode.ALREADY_EXISTS, f"a transfer for {rid!r} is in flight")
+            self._transfers[rid] = None  # claimed; the engine may be mid-step, so reserve outside this lock
+        try:
+            table, cached = self.engine.reserve(rid, header.token_ids, header.sampling)
+        except (KeyError, ValueError, MemoryError) as e:
+            with self._lock:
+                del self._transfers[rid]
+            code = {KeyError: grpc.StatusCode.ALREADY_EXISTS, ValueError: grpc.StatusCode.OUT_OF_RANGE}
+            message = e.args[0] if e.args else repr(e)
+            raise TransferError(code.get(type(e), grpc.StatusCode.RESOURCE_EXHAUSTED), message) from None
+        positions = torch.arange(cached, header.num_tokens)
+        blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
+        slots = (blocks * self.block_size + positions % self.block_size).to(self.engine.kv_cache[0][0].device)
+        transfer = Transfer(header, self.clock() + self.timeout_s, slots, cached)
+        with self._lock:
+            self._transfers[rid] = transfer
+        return transfer
 
-    def write(self, transfer: Transfer, chunk: KVChunk) -> None:  # type: ignore[override]
+    def write(self, transfer: Transfer, chunk: KVChunk) -> None:
         try:
             verify_chunk(transfer.header, chunk)
             with transfer.lock:
@@ -108,7 +109,7 @@ class KVIntake:
             self.fail(transfer, e)
             raise
 
-    def commit(self, transfer: Transfer, first_token: int) -> int:  # type: ignore[override]
+    def commit(self, transfer: Transfer, first_token: int) -> int:
         header = transfer.header
         try:
             with transfer.lock:
@@ -126,7 +127,7 @@ class KVIntake:
             self._transfers.pop(header.request_id, None)
         return num_blocks
 
-    def fail(self, transfer: Transfer, error: TransferError) -> None:  # type: ignore[override]
+    def fail(self, transfer: Transfer, error: TransferError) -> None:
         with transfer.lock:
             if transfer.state in (TransferState.DONE, TransferState.FAILED):
                 return
@@ -142,7 +143,7 @@ class KVIntake:
         """Fails every transfer past its deadline; returns how many."""
         now = self.clock()
         with self._lock:
-            expired = [t for t in self._transfers.values() if t.deadline <= now]
+            expired = [t for t in self._transfers.values() if t is not None and t.deadline <= now]
         for transfer in expired:
             self.fail(transfer, TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "transfer timed out"))
         return len(expired)
@@ -161,7 +162,7 @@ class KVIntake:
     def close(self) -> None:
         self._stop.set()
         with self._lock:
-            transfers = list(self._transfers.values())
+            transfers = [t for t in self._transfers.values() if t is not None]
         for transfer in transfers:
             self.fail(transfer, TransferError(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down"))
 
