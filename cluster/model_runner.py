@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 
 from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.block_manager import kv_block_bytes, num_blocks_for_budget
+from cluster.config import CacheConfig
 from cluster.model import CausalLM
 from cluster.request import StepPlan
 from cluster.sampler import Sampler, SampleResult, SampleRow
@@ -63,3 +65,13 @@ class ModelRunner:
             return SampleResult([], None, None)
         logits = self.model.compute_logits(hidden[meta.last_token_index[sampling]])
         return self.sampler(logits.cpu(), rows)
+
+
+def num_kv_blocks(model: CausalLM, cache: CacheConfig) -> int:
+    """Blocks that fit in the configured budget (or the configured count)."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    arch = model.arch
+    dtype_bytes = model.embed_tokens.weight.element_size()
+    per_block = kv_block_bytes(cache.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype_bytes)
+    return num_blocks_for_budget(int(cache.memory_gib * 2**30), per_block)

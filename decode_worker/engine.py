@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
+from cluster.block_manager import BlockManager
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.model import CausalLM
-from cluster.model_runner import ModelRunner
+from cluster.model_runner import ModelRunner, num_kv_blocks
 from cluster.request import Request, SamplingParams
 from cluster.sampler import Sampler, SampleRow
 from decode_worker.compiled import CompiledDecode
@@ -49,16 +49,6 @@ class _Stream:
     request: Request
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
-
-
-def num_kv_blocks(model: CausalLM, cache: CacheConfig) -> int:
-    """Blocks that fit in the configured budget (or the configured count)."""
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    arch = model.arch
-    dtype_bytes = model.embed_tokens.weight.element_size()
-    per_block = kv_block_bytes(cache.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype_bytes)
-    return num_blocks_for_budget(int(cache.memory_gib * 2**30), per_block)
 
 
 class Engine:

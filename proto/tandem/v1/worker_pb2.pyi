@@ -8,30 +8,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability", "remote_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_TARGET_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _api_pb2.SamplingParams
     decode_target: str
     capability: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ...) -> None: ...
+    remote_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "text", "num_prompt_tokens", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
     finish_reason: _api_pb2.FinishReason
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ...) -> None: ...
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -78,3 +86,38 @@ class DrainResult(_message.Message):
     REMAINING_SEQS_FIELD_NUMBER: _ClassVar[int]
     remaining_seqs: int
     def __init__(self, remaining_seqs: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("model", "workers", "decisions", "requests_in_flight")
+    class DecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    decisions: _containers.ScalarMap[str, int]
+    requests_in_flight: int
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("name", "address", "healthy", "load")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    healthy: bool
+    load: WorkerLoad
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...

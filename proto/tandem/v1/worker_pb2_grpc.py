@@ -228,3 +228,78 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """The router's view of the cluster, for `tandem status`. Not for clients.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStatus = channel.unary_unary(
+                '/tandem.v1.Admin/GetStatus',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ClusterStatus.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """The router's view of the cluster, for `tandem status`. Not for clients.
+    """
+
+    def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ClusterStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """The router's view of the cluster, for `tandem status`. Not for clients.
+    """
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/GetStatus',
+            tandem_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

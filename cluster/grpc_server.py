@@ -1,0 +1,64 @@
+"""One way to start a gRPC server for every Tandem role: explicit message limits, the standard
+`grpc.health.v1` health service, server reflection, and a bound port reported back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+def message_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+@dataclass
+class Server:
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+
+    def stop(self, grace: float | None = None) -> None:
+        self.set_serving(False)
+        self.server.stop(grace)
+
+
+def start_server(
+    add_services: Callable[[grpc.Server], Sequence[str]],
+    address: str = "127.0.0.1:0",
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_workers: int = 64,
+    extra_options: Sequence[tuple[str, int]] = (),
+) -> Server:
+    """Starts a server; `add_services(server)` registers the role's services and returns their full names."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers), options=[*message_options(max_message_bytes), *extra_options]
+    )
+    names = list(add_services(server))
+    checker = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind a gRPC server to {address}")
+    server.start()
+    result = Server(server, port, checker)
+    result.set_serving(True)
+    return result

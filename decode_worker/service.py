@@ -1,0 +1,229 @@
+"""The decode worker as a gRPC server: `tandem.v1.Worker`, `tandem.v1.KVTransfer` and health.
+
+Lifecycle of a request here:
+
+    Submit(remote_prefill=False)   the prompt is queued on the engine (prefilled here, in chunks)
+    Submit(remote_prefill=True)    the call waits for the prompt's KV transfer (`KVIntake`) to be admitted
+    engine loop thread             steps the engine while it has work; each output goes to its
+                                   request's stream (or waits for a Submit that has not arrived yet)
+    the stream ends                on finish; a cancelled or expired call aborts the request and
+                                   frees its blocks at once
+
+The engine is stepped by one thread; Submit, Abort and the transfer intake reach it through its lock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+from cluster.config import ClusterConfig
+from cluster.grpc_server import Server, start_server
+from cluster.kv_collective import CollectiveGroups
+from cluster.kv_grpc import KVTransferService, channel_options, handlers
+from cluster.kv_wire import model_fingerprint
+from cluster.loader import load_model
+from cluster.request import params_from_proto
+from cluster.tokenizer import Tokenizer
+from decode_worker.engine import Engine, RequestOutput
+from decode_worker.kv_intake import KVIntake
+
+FINISH = {
+    None: api_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": api_pb2.FINISH_REASON_STOP,
+    "length": api_pb2.FINISH_REASON_LENGTH,
+    "abort": api_pb2.FINISH_REASON_ABORT,
+}
+
+
+def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
+    logprobs = [
+        api_pb2.TokenLogprob(
+            token_id=token, logprob=lp, top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
+        )
+        for token, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)
+    ]
+    return worker_pb2.WorkerTokens(
+        request_id=out.request_id,
+        token_ids=out.token_ids,
+        logprobs=logprobs,
+        finish_reason=FINISH[out.finish_reason] if out.finished else api_pb2.FINISH_REASON_UNSPECIFIED,
+        text=out.text,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+class DecodeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(
+        self, engine: Engine, intake: KVIntake, worker_id: str, groups: CollectiveGroups | None = None
+    ) -> None:
+        self.engine = engine
+        self.intake = intake
+        self.worker_id = worker_id
+        self.groups = groups
+        self.server: Server | None = None
+        self._streams: dict[str, queue.Queue[RequestOutput | None]] = {}
+        self._early: dict[str, list[RequestOutput]] = {}  # outputs of transfers admitted before their Submit
+        self._abandoned: set[str] = set()  # remote-prefill requests whose caller left before the KV arrived
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._draining = False
+        self._loop = threading.Thread(target=self._run, daemon=True, name=f"{worker_id}-engine")
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, address: str = "127.0.0.1:0") -> str:
+        def add(server: grpc.Server) -> list[str]:
+            worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+            server.add_generic_rpc_handlers((handlers(KVTransferService(self.intake, self.groups)),))
+            return ["tandem.v1.Worker", "tandem.v1.KVTransfer"]
+
+        self.server = start_server(add, address, extra_options=channel_options(256 << 20)[2:])
+        self.intake.start()
+        self._loop.start()
+        return self.server.address
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.intake.close()
+        if self.server is not None:
+            self.server.stop(None)
+        if self.groups is not None:
+            self.groups.close()
+
+    # -- the Worker service ------------------------------------------------------------------------
+
+    def Submit(
+        self, request: worker_pb2.WorkerRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.WorkerTokens]:
+        rid = request.request_id
+        if self._draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
+        try:
+            params = params_from_proto(request.sampling)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        stream: queue.Queue[RequestOutput | None] = queue.Queue()
+        with self._lock:
+            if rid in self._streams:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already streaming here")
+            self._streams[rid] = stream
+            for out in self._early.pop(rid, []):
+                stream.put(out)
+        finished = False
+        context.add_callback(lambda: None if finished else self._cancel(rid))
+        if not request.remote_prefill:
+            try:
+                self.engine.add_request(rid, list(request.prompt_token_ids), params)
+            except ValueError as e:
+                self._forget(rid)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._wake.set()
+        while context.is_active():
+            try:
+                out = stream.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if out is None:  # the engine failed
+                self._forget(rid)
+                context.abort(grpc.StatusCode.INTERNAL, "the decode engine failed; see the worker's log")
+            finished = out.finished
+            yield tokens_message(out)
+            if finished:
+                self._forget(rid)
+                return
+
+    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
+        return worker_pb2.AbortResult(found=self._cancel(request.request_id))
+
+    def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
+        self._draining = True
+        if self.server is not None:
+            self.server.set_serving(False)
+        s = self.engine.scheduler
+        return worker_pb2.DrainResult(remaining_seqs=len(s.running) + len(s.waiting))
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        s = self.engine.scheduler
+        return worker_pb2.WorkerLoad(
+            worker_id=self.worker_id,
+            role="decode",
+            running_seqs=len(s.running),
+            waiting_seqs=len(s.waiting) + self.intake.in_flight,
+            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            free_kv_blocks=s.blocks.num_free_blocks,
+            total_kv_blocks=s.blocks.num_blocks,
+            draining=self._draining,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _cancel(self, rid: str) -> bool:
+        """Aborts `rid` wherever it is: running, waiting, or its KV still on the way."""
+        self._forget(rid)
+        found = self.engine.abort(rid)
+        if not found:
+            with self._lock:
+                self._abandoned.add(rid)  # if its transfer lands later, drop it then
+        return found
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+            self._early.pop(rid, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished:
+                self._wake.wait(0.005)  # transfers admit sequences without waking us; poll briefly
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                with self._lock:
+                    streams = list(self._streams.values())
+                for stream in streams:
+                    stream.put(None)
+                time.sleep(0.1)
+                continue
+            for out in outputs:
+                self._route(out)
+
+    def _route(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                return
+            abandoned = out.request_id in self._abandoned
+            if abandoned:
+                self._abandoned.discard(out.request_id)
+            else:
+                self._early.setdefault(out.request_id, []).append(out)
+        if abandoned:
+            self.engine.abort(out.request_id)
+
+
+def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
+    """A decode worker for the config's model, cache, batching and transfer settings (not started)."""
+    m = config.model
+    model = load_model(m.path, m.dtype, m.device)
+    tokenizer = Tokenizer(m.path)
+    engine = Engine(
+        model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed
+    )
+    t = config.transfer
+    intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=t.timeout_s)
+    return DecodeWorker(engine, intake, worker_id, CollectiveGroups(m.device, t.timeout_s, t.max_groups))

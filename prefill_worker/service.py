@@ -1,0 +1,197 @@
+"""The prefill worker as a gRPC server: `tandem.v1.Worker` and health.
+
+Lifecycle of a request here:
+
+    Submit(decode_target)   the prompt is queued on the prefill engine, its KV bound for the decode
+                            worker at `decode_target` over the configured transport
+    engine loop thread      steps the engine while it has work and releases expired leases
+    the call answers        with the first token once the decode worker has admitted the sequence,
+                            or fails with the transfer's status code; a cancelled call aborts it
+
+The engine is stepped by one thread; Submit and Abort reach it through the worker's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import CancelledError, Future
+
+import grpc
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+from cluster.config import ClusterConfig, TransferConfig
+from cluster.grpc_server import Server, start_server
+from cluster.kv_collective import CollectiveGroups
+from cluster.kv_grpc import CollectiveSender, GrpcSender
+from cluster.kv_transport import KVSender, TransferState
+from cluster.loader import load_model
+from cluster.model_runner import num_kv_blocks
+from cluster.request import params_from_proto
+from cluster.tokenizer import Tokenizer
+from prefill_worker.engine import PrefillEngine, PrefillOutput
+
+
+class PrefillWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: PrefillEngine, transfer: TransferConfig, worker_id: str, device: str = "cpu") -> None:
+        self.engine = engine
+        self.transfer = transfer
+        self.worker_id = worker_id
+        self.groups = CollectiveGroups(device, transfer.timeout_s, transfer.max_groups)
+        self.server: Server | None = None
+        self._senders: dict[str, KVSender] = {}
+        self._waiters: dict[str, Future[PrefillOutput]] = {}
+        self._lock = threading.Lock()  # the engine, the senders and the waiters
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._draining = False
+        self._loop = threading.Thread(target=self._run, daemon=True, name=f"{worker_id}-engine")
+
+    def start(self, address: str = "127.0.0.1:0") -> str:
+        def add(server: grpc.Server) -> list[str]:
+            worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+            return ["tandem.v1.Worker"]
+
+        self.server = start_server(add, address)
+        self._loop.start()
+        return self.server.address
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self.server is not None:
+            self.server.stop(None)
+        for sender in self._senders.values():
+            sender.close()  # type: ignore[attr-defined]
+        self.groups.close()
+
+    # -- the Worker service ------------------------------------------------------------------------
+
+    def Submit(
+        self, request: worker_pb2.WorkerRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.WorkerTokens]:
+        rid = request.request_id
+        if self._draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
+        if not request.decode_target:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill request needs a decode_target")
+        try:
+            params = params_from_proto(request.sampling)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        waiter: Future[PrefillOutput] = Future()
+        with self._lock:
+            try:
+                sender = self._sender(request.decode_target)
+                self.engine.add_request(rid, list(request.prompt_token_ids), params, sender)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._waiters[rid] = waiter
+        done = False
+        context.add_callback(lambda: None if done else self._cancel(rid))
+        self._wake.set()
+        try:
+            out = waiter.result()
+        except CancelledError:
+            return  # the caller left; `_cancel` already aborted the request
+        except Exception as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}")
+        state = out.transfer.wait(self.transfer.timeout_s + self.transfer.lease_s)
+        if state is not TransferState.DONE:
+            error = out.transfer.error
+            code, message = (error.code, error.message) if error else (grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+            context.abort(code, f"KV transfer to {request.decode_target}: {message}")
+        done = True
+        logprobs = []
+        if out.logprob is not None:
+            top = [api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in out.top_logprobs]
+            logprobs = [api_pb2.TokenLogprob(token_id=out.first_token, logprob=out.logprob, top=top)]
+        yield worker_pb2.WorkerTokens(
+            request_id=rid,
+            token_ids=[out.first_token],
+            logprobs=logprobs,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+
+    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
+        return worker_pb2.AbortResult(found=self._cancel(request.request_id))
+
+    def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
+        self._draining = True
+        if self.server is not None:
+            self.server.set_serving(False)
+        stats = self.engine.stats()
+        return worker_pb2.DrainResult(remaining_seqs=stats.waiting + stats.prefilling + stats.leased)
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        stats = self.engine.stats()
+        return worker_pb2.WorkerLoad(
+            worker_id=self.worker_id,
+            role="prefill",
+            running_seqs=stats.prefilling,
+            waiting_seqs=stats.waiting,
+            queued_prompt_tokens=stats.queued_tokens,
+            free_kv_blocks=stats.free_blocks,
+            total_kv_blocks=stats.total_blocks,
+            draining=self._draining,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _sender(self, target: str) -> KVSender:
+        sender = self._senders.get(target)
+        if sender is None:
+            t = self.transfer
+            if t.transport == "collective":
+                sender = CollectiveSender(target, self.groups, t.timeout_s, t.max_queued_chunks)
+            else:
+                sender = GrpcSender(target, t.timeout_s, t.max_message_mib << 20, t.max_queued_chunks)
+            self._senders[target] = sender
+        return sender
+
+    def _cancel(self, rid: str) -> bool:
+        with self._lock:
+            waiter = self._waiters.pop(rid, None)
+            found = self.engine.abort(rid)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                busy = self.engine.scheduler.has_work
+                try:
+                    outputs = self.engine.step() if busy else []
+                except Exception as e:  # a failed pass fails every waiting call, loudly
+                    for rid, waiter in list(self._waiters.items()):
+                        self.engine.abort(rid)
+                        if not waiter.done():
+                            waiter.set_exception(e)
+                    self._waiters.clear()
+                    outputs = []
+                if not busy:
+                    self.engine.poll_leases()
+                for out in outputs:
+                    waiter = self._waiters.pop(out.request_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(out)
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+
+def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
+    """A prefill worker for the config's model, cache, batching and transfer settings (not started)."""
+    m = config.model
+    if config.transfer.transport == "local":
+        raise ValueError('transfer.transport "local" needs prefill and decode in one process; use grpc or collective')
+    model = load_model(m.path, m.dtype, m.device)
+    eos = Tokenizer(m.path).eos_token_ids
+    num_blocks = num_kv_blocks(model, config.cache)
+    engine = PrefillEngine(model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed)
+    return PrefillWorker(engine, config.transfer, worker_id, m.device)

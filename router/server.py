@@ -1,0 +1,277 @@
+"""The router: the public `tandem.v1.Tandem` service, and `tandem.v1.Admin` for `tandem status`.
+
+Lifecycle of a request:
+
+    Generate      validate and tokenise (INVALID_ARGUMENT naming the field); take an admission
+                  slot (RESOURCE_EXHAUSTED when `max_queued_requests` are in flight)
+    place         read the workers' loads, choose a decode worker and a prefill worker or local
+                  prefill (`router.placement`); the choice goes out as response metadata
+                  (`tandem-prefill`, `tandem-decode`) and is counted in `Admin.GetStatus`
+    relay         the decode worker's stream (tokens, text, finish) is the response stream; the
+                  prefill call runs beside it and its failure fails the request with its code
+    end           client cancellation or deadline cancels both worker calls, which abort the
+                  request and free its KV on each worker
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from cluster.arch import ModelArch
+from cluster.config import ClusterConfig
+from cluster.grpc_server import Server, message_options, start_server
+from cluster.request import SamplingParams, params_to_proto
+from cluster.tokenizer import Tokenizer
+from router.placement import Choice, NoCapacity, choose
+from router.validate import InvalidRequest, Limits, PromptTokenizer, validate
+
+
+@dataclass
+class _Worker:
+    name: str
+    address: str
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.WorkerStub
+
+
+class WorkerPool:
+    """The workers the router can reach, refreshed from `discover()` (name -> "host:port")."""
+
+    def __init__(self, discover: Callable[[], dict[str, str]], refresh_s: float = 1.0) -> None:
+        self.discover = discover
+        self.refresh_s = refresh_s
+        self._workers: dict[str, _Worker] = {}
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    def workers(self) -> dict[str, _Worker]:
+        with self._lock:
+            if time.monotonic() - self._checked >= self.refresh_s:
+                self._refresh()
+            return dict(self._workers)
+
+    def loads(self, timeout_s: float = 2.0) -> dict[str, worker_pb2.WorkerLoad]:
+        """Each reachable worker's load; unreachable ones are left out."""
+        workers = self.workers()
+        calls = {
+            name: w.stub.GetLoad.future(worker_pb2.GetLoadRequest(), timeout=timeout_s) for name, w in workers.items()
+        }
+        loads = {}
+        for name, call in calls.items():
+            try:
+                loads[name] = call.result()
+            except grpc.RpcError:
+                with self._lock:
+                    self._checked = 0.0  # rediscover on the next request
+        return loads
+
+    def close(self) -> None:
+        with self._lock:
+            for w in self._workers.values():
+                w.channel.close()
+            self._workers.clear()
+
+    def _refresh(self) -> None:
+        found = self.discover()
+        for name in list(self._workers):
+            if found.get(name) != self._workers[name].address:
+                self._workers.pop(name).channel.close()
+        for name, address in found.items():
+            if name not in self._workers:
+                channel = grpc.insecure_channel(address, options=message_options())
+                self._workers[name] = _Worker(name, address, channel, worker_pb2_grpc.WorkerStub(channel))
+        self._checked = time.monotonic()
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_name: str
+    architecture: str
+    limits: Limits
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    dtype: str
+    max_queued_requests: int = 256
+    local_prefill_max_tokens: int = 64
+
+
+class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
+    def __init__(self, settings: RouterSettings, tokenizer: PromptTokenizer, pool: WorkerPool) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self._slots = threading.BoundedSemaphore(settings.max_queued_requests)
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self.server: Server | None = None
+
+    def start(self, address: str = "127.0.0.1:0") -> str:
+        def add(server: grpc.Server) -> list[str]:
+            api_pb2_grpc.add_TandemServicer_to_server(self, server)
+            worker_pb2_grpc.add_AdminServicer_to_server(self, server)
+            return ["tandem.v1.Tandem", "tandem.v1.Admin"]
+
+        self.server = start_server(add, address)
+        return self.server.address
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(None)
+        self.pool.close()
+
+    # -- tandem.v1.Tandem --------------------------------------------------------------------------
+
+    def GetModelInfo(self, request: api_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> api_pb2.ModelInfo:
+        s = self.settings
+        return api_pb2.ModelInfo(
+            name=s.model_name,
+            architecture=s.architecture,
+            context_length=s.limits.context_length,
+            vocab_size=s.limits.vocab_size,
+            dtype=s.dtype,
+            eos_token_ids=s.eos_token_ids,
+            has_chat_template=s.has_chat_template,
+        )
+
+    def Generate(
+        self, request: api_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            prompt, params = validate(request, self.settings.limits, self.tokenizer)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's admission queue is full; retry later")
+        try:
+            with self._lock:
+                self._in_flight += 1
+            yield from self._generate(rid, prompt, params, context)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+            self._slots.release()
+
+    # -- tandem.v1.Admin ---------------------------------------------------------------------------
+
+    def GetStatus(
+        self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.ClusterStatus:
+        workers, loads = self.pool.workers(), self.pool.loads()
+        return worker_pb2.ClusterStatus(
+            model=self.settings.model_name,
+            workers=[
+                worker_pb2.WorkerStatus(name=n, address=w.address, healthy=n in loads, load=loads.get(n))
+                for n, w in sorted(workers.items())
+            ],
+            decisions=dict(self.decisions),
+            requests_in_flight=self._in_flight,
+        )
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.GenerateResponse]:
+        s = self.settings
+        try:
+            choice = choose(prompt, params.max_tokens, self.pool.loads(), s.block_size, s.local_prefill_max_tokens)
+        except NoCapacity as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.decisions[f"prefill={choice.reason}"] += 1
+        context.send_initial_metadata(
+            (("tandem-request-id", rid), ("tandem-prefill", _describe(choice)), ("tandem-decode", choice.decode))
+        )
+        workers = self.pool.workers()
+        decode = workers[choice.decode]
+        remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
+        timeout = remaining if remaining is not None and remaining < 1e6 else None
+        sampling = params_to_proto(params)
+        remote = choice.prefill is not None
+        request = worker_pb2.WorkerRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=remote
+        )
+        decode_call = decode.stub.Submit(request, timeout=timeout)
+        calls = [decode_call]
+        prefill_result: dict[str, object] = {}
+        if remote:
+            prefill_call = workers[choice.prefill].stub.Submit(  # type: ignore[index]
+                worker_pb2.WorkerRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_target=decode.address
+                ),
+                timeout=timeout,
+            )
+            calls.append(prefill_call)
+            threading.Thread(
+                target=_watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
+            ).start()
+        context.add_callback(lambda: [c.cancel() for c in calls])
+        generated = 0
+        try:
+            for msg in decode_call:
+                generated += len(msg.token_ids)
+                usage = None
+                if msg.finish_reason:
+                    cached = prefill_result.get("cached", msg.num_cached_tokens)
+                    usage = api_pb2.Usage(
+                        prompt_tokens=len(prompt),
+                        completion_tokens=generated,
+                        cached_prompt_tokens=cached,  # type: ignore[arg-type]
+                    )
+                yield api_pb2.GenerateResponse(
+                    request_id=rid,
+                    text=msg.text,
+                    token_ids=msg.token_ids,
+                    logprobs=msg.logprobs,
+                    finish_reason=msg.finish_reason,
+                    usage=usage,
+                )
+        except grpc.RpcError as e:
+            error = prefill_result.get("error", e)
+            if context.is_active():
+                context.abort(error.code(), f"{error.details()}")  # type: ignore[union-attr]
+
+
+def _watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+    """Consumes the prefill call; if it fails, the request fails with its error."""
+    try:
+        for msg in prefill_call:
+            result["cached"] = msg.num_cached_tokens
+    except grpc.RpcError as e:
+        if e.code() is not grpc.StatusCode.CANCELLED:
+            result["error"] = e
+            decode_call.cancel()
+
+
+def _describe(choice: Choice) -> str:
+    return choice.reason if choice.prefill is None else f"{choice.reason}:{choice.prefill}"
+
+
+def from_config(config: ClusterConfig, discover: Callable[[], dict[str, str]]) -> Router:
+    """A router for the config's model (its tokenizer and config.json; no weights), not started."""
+    m = config.model
+    arch = ModelArch.from_folder(m.path)
+    tokenizer = Tokenizer(m.path)
+    context = min(m.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    settings = RouterSettings(
+        model_name=m.served_name,
+        architecture=arch.architecture,
+        limits=Limits(context, arch.vocab_size, config.router.max_stop_strings),
+        block_size=config.cache.block_size,
+        eos_token_ids=tokenizer.eos_token_ids,
+        has_chat_template=tokenizer.chat_template is not None,
+        dtype=m.dtype,
+        max_queued_requests=config.router.max_queued_requests,
+        local_prefill_max_tokens=config.router.local_prefill_max_tokens,
+    )
+    return Router(settings, tokenizer, WorkerPool(discover))

@@ -1,0 +1,125 @@
+"""Validation of a `tandem.v1.GenerateRequest` before any worker sees it. Pure: no gRPC calls.
+
+`validate(request, limits, tokenizer)` returns the prompt's token ids and the sampling parameters,
+or raises `InvalidRequest` naming the field, which the router turns into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.v1 import api_pb2
+
+from cluster.request import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class PromptTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    context_length: int
+    vocab_size: int
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_request_id_chars: int = 128
+
+
+def validate(
+    request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptTokenizer
+) -> tuple[list[int], SamplingParams]:
+    if len(request.request_id) > limits.max_request_id_chars:
+        raise InvalidRequest("request_id", f"longer than {limits.max_request_id_chars} characters")
+    prompt = _prompt(request, limits, tokenizer)
+    return prompt, _sampling(request.sampling, limits, len(prompt))
+
+
+def _prompt(request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptTokenizer) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequest("text", "the prompt is empty")
+        ids = tokenizer.encode(request.text)
+    elif kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise InvalidRequest("chat.messages", "no messages")
+        for i, m in enumerate(messages):
+            if not m["role"]:
+                raise InvalidRequest(f"chat.messages[{i}].role", "is empty")
+        try:
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        except ValueError as e:
+            raise InvalidRequest("chat", str(e)) from None
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise InvalidRequest("token_ids.ids", f"token id {bad[0]} is outside the vocabulary ({limits.vocab_size})")
+    else:
+        raise InvalidRequest("prompt", "set one of text, chat or token_ids")
+    if not ids:
+        raise InvalidRequest(kind, "the prompt has no tokens")
+    if len(ids) >= limits.context_length:
+        raise InvalidRequest(kind, f"the prompt has {len(ids)} tokens; the context window is {limits.context_length}")
+    return ids
+
+
+def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> SamplingParams:
+    room = limits.context_length - prompt_tokens
+    max_tokens = m.max_tokens or room
+    if max_tokens > room:
+        raise InvalidRequest(
+            "sampling.max_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context window "
+            f"({limits.context_length})",
+        )
+    checks = [
+        ("temperature", not m.HasField("temperature") or m.temperature >= 0, "must be >= 0"),
+        ("top_p", not m.HasField("top_p") or 0 < m.top_p <= 1, "must be in (0, 1]"),
+        ("top_k", not m.HasField("top_k") or m.top_k == -1 or m.top_k >= 1, "must be -1 or >= 1"),
+        ("min_p", not m.HasField("min_p") or 0 <= m.min_p <= 1, "must be in [0, 1]"),
+        ("repetition_penalty", not m.HasField("repetition_penalty") or m.repetition_penalty > 0, "must be > 0"),
+        ("presence_penalty", -2 <= m.presence_penalty <= 2, "must be in [-2, 2]"),
+        ("frequency_penalty", -2 <= m.frequency_penalty <= 2, "must be in [-2, 2]"),
+        ("min_tokens", m.min_tokens <= max_tokens, f"must be <= max_tokens ({max_tokens})"),
+        ("logprobs", not m.HasField("logprobs") or m.logprobs <= 20, "must be <= 20"),
+        ("stop", len(m.stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings"),
+        ("stop", all(m.stop), "stop strings must not be empty"),
+        ("stop", all(len(s) <= limits.max_stop_string_chars for s in m.stop), "a stop string is too long"),
+    ]
+    for field, ok, message in checks:
+        if not ok:
+            raise InvalidRequest(f"sampling.{field}", message)
+    bad = [t for t in m.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequest("sampling.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=m.min_tokens,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        top_k=m.top_k if m.HasField("top_k") else -1,
+        min_p=m.min_p if m.HasField("min_p") else 0.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        seed=m.seed if m.HasField("seed") else None,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+    )
