@@ -1,4 +1,5 @@
-"""The `tandem` command line.
+"""The `tandem` commands that need no cluster (the full command line is `router.cli`, which adds
+`serve`, `status` and cluster-backed `generate` to these):
 
 tandem model init --preset tiny --out DIR     write a random-weight model folder
 tandem generate --model DIR --prompt TEXT     complete a prompt in this process
@@ -29,7 +30,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    add_commands(commands)
+    gen = commands.add_parser("generate", help="complete a prompt with a model folder, in this process")
+    gen.add_argument("--model", required=True, help="Hugging Face model folder")
+    gen.add_argument("--prompt", required=True, help="text to complete")
+    add_generate_options(gen)
+    gen.set_defaults(run=offline_generate)
+    return parser
 
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """`model init` and `config check`."""
     model = commands.add_parser("model", help="build model folders").add_subparsers(required=True, metavar="ACTION")
     init = model.add_parser("init", help="write a random-weight model folder (config, weights, tokenizer)")
     init.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="size and shape (default: tiny)")
@@ -40,21 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True, help="folder to write")
     init.set_defaults(run=_model_init)
 
-    gen = commands.add_parser("generate", help="complete a prompt with a model folder, in this process")
-    gen.add_argument("--model", required=True, help="Hugging Face model folder")
-    gen.add_argument("--prompt", required=True, help="text to complete")
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.set_defaults(run=_generate)
-
     config = commands.add_parser("config", help="cluster config files").add_subparsers(required=True, metavar="ACTION")
     check = config.add_parser("check", help="validate a YAML or JSON cluster config")
     check.add_argument("file")
     check.set_defaults(run=_config_check)
-    return parser
+
+
+def add_generate_options(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (--model)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
 def _model_init(args: argparse.Namespace) -> None:
@@ -65,7 +73,8 @@ def _model_init(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} {args.arch} ({args.dtype}) to {out}")
 
 
-def _generate(args: argparse.Namespace) -> None:
+def offline_generate(args: argparse.Namespace) -> None:
+    """`tandem generate --model DIR`: the model in this process, no cluster."""
     from cluster.generate import generate
     from cluster.loader import load_model
     from cluster.tokenizer import Tokenizer

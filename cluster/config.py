@@ -222,3 +222,21 @@ def _describe(error: ValidationError) -> str:
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         lines.append(f"  {where}: {err['msg']}")
     return "\n".join(lines)
+
+
+def dump_config(config: ClusterConfig) -> str:
+    """The config as JSON with its secrets in clear, for handing it to this cluster's own workers
+    (pydantic's own JSON masks them). Not for logs."""
+
+    def reveal(value: Any) -> Any:
+        if isinstance(value, SecretStr):
+            return value.get_secret_value()
+        if isinstance(value, dict):
+            return {k: reveal(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [reveal(v) for v in value]
+        if isinstance(value, Path):
+            return str(value)
+        return value
+
+    return json.dumps(reveal(config.model_dump(mode="python")))

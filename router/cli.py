@@ -1,0 +1,163 @@
+"""The `tandem` command line.
+
+tandem serve --config FILE [--prompt TEXT]    start the cluster on Ray (a local one by default) and
+                                              its router; with --prompt, answer it through the
+                                              client SDK and shut down (unless --keep-serving)
+tandem generate PROMPT [--target HOST:PORT]   stream a completion from a running cluster
+tandem generate --model DIR --prompt TEXT     complete a prompt in this process, no cluster
+tandem status [--target HOST:PORT]            pools, workers, KV use, queues, placement counters
+tandem model init --preset tiny --out DIR     write a random-weight model folder
+tandem config check FILE                      validate a cluster config file
+
+The entry point lives with the router because `serve` composes it with `cluster`'s Ray side
+(`cluster` does not import the router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+from cluster.arch import ModelFormatError
+from cluster.cli import add_commands, add_generate_options, offline_generate
+from cluster.config import ConfigError, load_config
+from router.client import Client, TandemError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ConfigError, ModelFormatError, ValueError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    except TandemError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving on Ray.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="start a cluster and its router")
+    serve.add_argument("--config", required=True, help="cluster config (YAML or JSON)")
+    serve.add_argument("--port", type=int, default=None, help="router port (default: router.port in the config)")
+    serve.add_argument("--prompt", default=None, help="answer this prompt through the client SDK, then stop")
+    serve.add_argument("--max-tokens", type=int, default=48, help="tokens for --prompt (default: 48)")
+    serve.add_argument("--keep-serving", action="store_true", help="with --prompt: keep serving afterwards")
+    serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
+    serve.set_defaults(run=_serve)
+
+    gen = commands.add_parser("generate", help="stream a completion from a running cluster (or --model: locally)")
+    gen.add_argument("text", nargs="?", help="the prompt")
+    gen.add_argument("--prompt", default=None, help="the prompt (same as the positional argument)")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
+    gen.add_argument("--model", default=None, help="run this model folder in this process instead")
+    gen.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default: 120)")
+    add_generate_options(gen)
+    gen.set_defaults(run=_generate)
+
+    status = commands.add_parser("status", help="show pools, workers, KV use, queues and placement counters")
+    status.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
+    status.set_defaults(run=_status)
+
+    add_commands(commands)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster import ray_cluster
+    from router.server import from_config
+
+    config = load_config(args.config)
+    port = args.port if args.port is not None else config.router.port
+    started = time.perf_counter()
+    print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
+    cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
+    router = from_config(config, cluster.discover)
+    try:
+        address = router.start(f"{config.router.host}:{port}")
+        workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
+        print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+        if args.prompt is not None:
+            _stream(address, args.prompt, max_tokens=args.max_tokens, temperature=0.0)
+            if not args.keep_serving:
+                return 0
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        print("serving; Ctrl-C stops", file=sys.stderr)
+        stop.wait()
+        return 0
+    finally:
+        router.stop()
+        cluster.shutdown()
+        print("stopped", file=sys.stderr)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else args.text
+    if prompt is None:
+        raise ValueError("give a prompt: tandem generate 'def add(a, b):'")
+    if args.model is not None:
+        args.prompt = prompt
+        offline_generate(args)
+        return 0
+    messages = [{"role": "user", "content": prompt}] if args.chat else prompt
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    _stream(args.target, messages, timeout=args.timeout, **sampling)
+    return 0
+
+
+def _stream(target: str, prompt, timeout: float = 120.0, **sampling) -> None:  # type: ignore[no-untyped-def]
+    with Client(target, timeout=timeout) as client:
+        if isinstance(prompt, str):
+            print(prompt, end="", flush=True)
+        reason = None
+        for delta in client.stream(prompt, **sampling):
+            print(delta.text, end="", flush=True)
+            reason = delta.finish_reason or reason
+        print(f"\n[finish: {reason}]", file=sys.stderr)
+
+
+def _status(args: argparse.Namespace) -> int:
+    channel = grpc.insecure_channel(args.target)
+    try:
+        status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    except grpc.RpcError as e:
+        print(f"tandem: cannot reach the router at {args.target}: {e.code().name}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    print(f"model {status.model}, {status.requests_in_flight} requests in flight")
+    print(
+        f"{'worker':<12}{'role':<9}{'address':<22}{'health':<8}{'running':>8}{'waiting':>8}"
+        f"{'queued tok':>11}{'KV used':>14}"
+    )
+    for w in status.workers:
+        load = w.load
+        used = load.total_kv_blocks - load.free_kv_blocks
+        kv = f"{used}/{load.total_kv_blocks}" if load.total_kv_blocks else "-"
+        health = "up" if w.healthy else "DOWN"
+        role = load.role or "?"
+        print(
+            f"{w.name:<12}{role:<9}{w.address:<22}{health:<8}{load.running_seqs:>8}{load.waiting_seqs:>8}"
+            f"{load.queued_prompt_tokens:>11}{kv:>14}"
+        )
+    if status.decisions:
+        print("placement: " + ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Tandem's client SDK: talk to a Tandem router over gRPC (`tandem.v1`).
+
+Imports grpcio, protobuf and the generated `tandem.v1` stubs only (no torch, no Ray), so any
+Python program can use it:
+
+    from router.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("def fibonacci(n):", max_tokens=32, temperature=0).text)
+        for delta in client.stream("import os", max_tokens=16):
+            print(delta.text, end="", flush=True)
+
+`AsyncClient` has the same methods as coroutines and async iterators. Every call takes a
+`timeout` (seconds, the call's deadline). Calls that fail with UNAVAILABLE before the first token
+are retried with exponential backoff; other failures raise a `TandemError` subclass named for
+the gRPC status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from tandem.v1 import api_pb2, api_pb2_grpc
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "DeadlineExceeded",
+    "Delta",
+    "InvalidArgument",
+    "ResourceExhausted",
+    "TandemError",
+    "Unauthenticated",
+    "Unavailable",
+]
+
+
+class TandemError(Exception):
+    """A failed call; `code` is the gRPC status code and `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(TandemError):
+    """The request was refused as invalid; the message names the field."""
+
+
+class ResourceExhausted(TandemError):
+    """The cluster is full right now; retry later."""
+
+
+class Unavailable(TandemError):
+    """The router could not be reached (after the retries)."""
+
+
+class DeadlineExceeded(TandemError):
+    """The call's timeout passed."""
+
+
+class Unauthenticated(TandemError):
+    """A missing or wrong API key."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[TandemError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+
+_FINISH = {
+    api_pb2.FINISH_REASON_STOP: "stop",
+    api_pb2.FINISH_REASON_LENGTH: "length",
+    api_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of a completion."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole completion."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    metadata: dict[str, str]  # the router's placement: "tandem-prefill", "tandem-decode", ...
+
+
+def _error(e: grpc.RpcError) -> TandemError:
+    code = e.code()
+    return _ERRORS.get(code, TandemError)(code, e.details() or "")
+
+
+def _request(
+    prompt: str | Sequence[dict[str, str]] | Sequence[int], request_id: str, sampling: dict[str, Any]
+) -> api_pb2.GenerateRequest:
+    request = api_pb2.GenerateRequest(request_id=request_id, sampling=api_pb2.SamplingParams(**sampling))
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.chat.messages.extend(api_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
+    else:
+        request.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    return request
+
+
+def _delta(m: api_pb2.GenerateResponse) -> Delta:
+    return Delta(m.text, list(m.token_ids), _FINISH.get(m.finish_reason), [lp.logprob for lp in m.logprobs])
+
+
+class _Assembler:
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.tokens: list[int] = []
+        self.last: api_pb2.GenerateResponse | None = None
+
+    def add(self, m: api_pb2.GenerateResponse) -> None:
+        self.text.append(m.text)
+        self.tokens += m.token_ids
+        self.last = m
+
+    def completion(self, metadata: dict[str, str]) -> Completion:
+        last = self.last or api_pb2.GenerateResponse()
+        return Completion(
+            request_id=last.request_id,
+            text="".join(self.text),
+            token_ids=self.tokens,
+            finish_reason=_FINISH.get(last.finish_reason),
+            prompt_tokens=last.usage.prompt_tokens,
+            completion_tokens=last.usage.completion_tokens,
+            cached_prompt_tokens=last.usage.cached_prompt_tokens,
+            metadata=metadata,
+        )
+
+
+class Client:
+    """A blocking client for a Tandem router at `target` ("host:port").
+
+    `api_key` is sent as `authorization: Bearer <key>` metadata. `timeout` is the default
+    deadline of each call in seconds; `retries` how many times a call that fails with
+    UNAVAILABLE before its first token is tried again, waiting `backoff_s`, then twice that, ...
+    """
+
+    def __init__(
+        self,
+        target: str,
+        api_key: str | None = None,
+        timeout: float | None = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.insecure_channel(target)
+        self._stub = api_pb2_grpc.TandemStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[dict[str, str]] | Sequence[int],
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        """Completes `prompt` (text, chat messages as {"role", "content"} dicts, or token ids).
+        Keyword arguments are `tandem.v1.SamplingParams` fields: max_tokens, temperature, top_p, ..."""
+        parts = _Assembler()
+        metadata: dict[str, str] = {}
+        for m in self._responses(_request(prompt, request_id, sampling), timeout, metadata):
+            parts.add(m)
+        return parts.completion(metadata)
+
+    def stream(
+        self,
+        prompt: str | Sequence[dict[str, str]] | Sequence[int],
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[Delta]:
+        """Streams the completion of `prompt` as `Delta`s; leaving the loop early cancels the request."""
+        for m in self._responses(_request(prompt, request_id, sampling), timeout, {}):
+            yield _delta(m)
+
+    def model_info(self, timeout: float | None = None) -> api_pb2.ModelInfo:
+        try:
+            return self._stub.GetModelInfo(
+                api_pb2.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _responses(
+        self, request: api_pb2.GenerateRequest, timeout: float | None, metadata: dict[str, str]
+    ) -> Iterator[api_pb2.GenerateResponse]:
+        deadline = None if (timeout or self.timeout) is None else time.monotonic() + (timeout or self.timeout)  # type: ignore[operator]
+        for attempt in range(self.retries + 1):
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            call = self._stub.Generate(request, timeout=remaining, metadata=self._metadata)
+            started = False
+            try:
+                for m in call:
+                    if not started:
+                        metadata.update({k: str(v) for k, v in call.initial_metadata()})
+                        started = True
+                    yield m
+                return
+            except grpc.RpcError as e:
+                retry = e.code() is grpc.StatusCode.UNAVAILABLE and not started and attempt < self.retries
+                if not retry:
+                    raise _error(e) from None
+            finally:
+                call.cancel()  # a no-op once the call is over; cancels it if the caller left early
+            time.sleep(self.backoff_s * 2**attempt)
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`: `await generate(...)`, `async for delta in stream(...)`."""
+
+    def __init__(
+        self,
+        target: str,
+        api_key: str | None = None,
+        timeout: float | None = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = api_pb2_grpc.TandemStub(self._channel)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[dict[str, str]] | Sequence[int],
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        parts = _Assembler()
+        metadata: dict[str, str] = {}
+        async for m in self._responses(_request(prompt, request_id, sampling), timeout, metadata):
+            parts.add(m)
+        return parts.completion(metadata)
+
+    async def stream(
+        self,
+        prompt: str | Sequence[dict[str, str]] | Sequence[int],
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Delta]:
+        async for m in self._responses(_request(prompt, request_id, sampling), timeout, {}):
+            yield _delta(m)
+
+    async def model_info(self, timeout: float | None = None) -> api_pb2.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(
+                api_pb2.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _responses(
+        self, request: api_pb2.GenerateRequest, timeout: float | None, metadata: dict[str, str]
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        limit = timeout or self.timeout
+        deadline = None if limit is None else loop.time() + limit
+        for attempt in range(self.retries + 1):
+            remaining = None if deadline is None else max(deadline - loop.time(), 0.001)
+            call = self._stub.Generate(request, timeout=remaining, metadata=self._metadata)
+            started = False
+            try:
+                async for m in call:
+                    if not started:
+                        metadata.update({k: str(v) for k, v in (await call.initial_metadata())})
+                        started = True
+                    yield m
+                return
+            except grpc.RpcError as e:
+                retry = e.code() is grpc.StatusCode.UNAVAILABLE and not started and attempt < self.retries
+                if not retry:
+                    raise _error(e) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(self.backoff_s * 2**attempt)
