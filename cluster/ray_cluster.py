@@ -56,12 +56,12 @@ class Controller:
 class WorkerActor:
     """One prefill or decode worker: builds it from the config, serves gRPC, registers itself."""
 
-    def __init__(self, role: str, name: str, config_json: str, host: str) -> None:
+    def __init__(self, role: str, name: str, config_json: str, host: str, namespace: str) -> None:
         config = ClusterConfig.model_validate_json(config_json)
         self.worker = importlib.import_module(ROLES[role]).from_config(config, name)
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
         self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
-        ray.get_actor(CONTROLLER, namespace=NAMESPACE).register.remote(name, role, self.address)
+        ray.get_actor(CONTROLLER, namespace=namespace).register.remote(name, role, self.address)
 
     def get_address(self) -> str:
         return self.address
@@ -79,6 +79,7 @@ class WorkerActor:
 @dataclass
 class RayCluster:
     config: ClusterConfig
+    namespace: str
     controller: Any
     actors: dict[str, Any] = field(default_factory=dict)
     groups: list[PlacementGroup] = field(default_factory=list)
@@ -107,13 +108,14 @@ class RayCluster:
             ray.shutdown()
 
 
-def start(config: ClusterConfig, timeout_s: float = 300.0, **ray_init: Any) -> RayCluster:
-    """Connects to (or starts) Ray and brings up the controller and both pools."""
+def start(config: ClusterConfig, namespace: str = NAMESPACE, timeout_s: float = 300.0, **ray_init: Any) -> RayCluster:
+    """Connects to (or starts) Ray and brings up the controller and both pools in `namespace`
+    (one cluster per namespace)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(address=config.ray_address, namespace=NAMESPACE, **ray_init)
-    controller = Controller.options(name=CONTROLLER, namespace=NAMESPACE, get_if_exists=True).remote()
-    cluster = RayCluster(config, controller, started_ray=started)
+        ray.init(address=config.ray_address, namespace=namespace, **ray_init)
+    controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
+    cluster = RayCluster(config, namespace, controller, started_ray=started)
     host = "127.0.0.1" if config.ray_address is None else "node"
     try:
         for role, pool in (("decode", config.decode), ("prefill", config.prefill)):
@@ -142,9 +144,9 @@ def _start_pool(cluster: RayCluster, role: str, pool: PoolConfig, host: str, tim
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
         cluster.actors[name] = WorkerActor.options(
             name=name,
-            namespace=NAMESPACE,
+            namespace=cluster.namespace,
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
             resources={pool.resource: 1} if pool.resource else None,
             scheduling_strategy=strategy,
-        ).remote(role, name, config_json, host)
+        ).remote(role, name, config_json, host, cluster.namespace)

@@ -1,0 +1,275 @@
+"""The running cluster: a real local Ray cluster (one per module), worker actors serving gRPC on
+loopback, the router in this process, and the client SDK. Two clusters share the Ray instance:
+one shipping KV over `grpc`, one over `collective` (Gloo)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from cluster import ray_cluster
+from cluster.config import parse_config
+from cluster.loader import load_model
+from cluster.request import SamplingParams
+from cluster.tokenizer import Tokenizer
+from decode_worker.engine import Engine
+from router.cli import main as cli
+from router.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument
+from router.server import from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "tandem-demo-code"
+LOCAL_MAX = 8  # prompts up to this many tokens are prefilled on the decode worker
+
+pytestmark = pytest.mark.slow
+
+
+def config(transport: str):
+    return parse_config(
+        {
+            "model": {"path": str(DEMO), "dtype": "float32"},
+            "cache": {"block_size": 16, "num_blocks": 128},
+            "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
+            "transfer": {"transport": transport, "timeout_s": 20},
+            "router": {"local_prefill_max_tokens": LOCAL_MAX, "max_queued_requests": 64},
+            "prefill": {"num_cpus": 1},
+            "decode": {"num_cpus": 1},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def start(transport: str):
+    cfg = config(transport)
+    cluster = ray_cluster.start(cfg, namespace=f"tandem-{transport}")
+    router = from_config(cfg, cluster.discover)
+    address = router.start()
+    return cluster, router, address
+
+
+@pytest.fixture(scope="module")
+def grpc_cluster(ray_instance):
+    cluster, router, address = start("grpc")
+    yield cluster, router, address
+    router.stop()
+    cluster.shutdown()
+
+
+def prompts(n: int = 16, seed: int = 0) -> dict[str, tuple[list[int], int]]:
+    """Token prompts, half short enough for local prefill, half long enough to be shipped."""
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        length = rng.randint(2, LOCAL_MAX) if i % 2 else rng.randint(20, 120)
+        out[f"q{i}"] = ([rng.randrange(5, 2000) for _ in range(length)], rng.randint(4, 24))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = load_model(DEMO, "float32")
+    tok = Tokenizer(DEMO)
+    cfg = config("grpc")
+    engine = Engine(model, tok, cfg.cache, cfg.scheduler, tok.eos_token_ids)
+    for rid, (prompt, max_tokens) in prompts().items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts()}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    return tokens
+
+
+def run_concurrently(address: str) -> tuple[dict[str, list[int]], dict[str, str]]:
+    results, placement = {}, {}
+    with Client(address, timeout=120) as client:
+
+        def one(rid: str, prompt: list[int], max_tokens: int) -> None:
+            done = client.generate(prompt, request_id=rid, max_tokens=max_tokens, temperature=0.0)
+            results[rid], placement[rid] = done.token_ids, done.metadata["tandem-prefill"]
+
+        threads = [threading.Thread(target=one, args=(rid, p, m)) for rid, (p, m) in prompts().items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return results, placement
+
+
+def kv_in_use(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    return {w.name: w.load.total_kv_blocks - w.load.free_kv_blocks for w in status.workers}
+
+
+def wait_for_idle_kv(address: str, within_s: float) -> float:
+    """Seconds until no decode worker holds a KV block; fails past `within_s`."""
+    start = time.monotonic()
+    while True:
+        used = {n: u for n, u in kv_in_use(address).items() if n.startswith("decode")}
+        elapsed = time.monotonic() - start
+        if not any(used.values()):
+            return elapsed
+        assert elapsed < within_s, f"KV blocks still in use after {elapsed:.2f} s: {used}"
+        time.sleep(0.02)
+
+
+def test_16_concurrent_requests_over_grpc_and_local_prefill_match_one_engine(grpc_cluster, reference):
+    _, router, address = grpc_cluster
+    results, placement = run_concurrently(address)
+    assert results == reference
+    assert {p.split(":")[0] for p in placement.values()} == {"remote", "local"}, placement
+    assert sum(router.decisions.values()) >= 16
+    wait_for_idle_kv(address, within_s=5)
+
+
+def test_16_concurrent_requests_over_collective_match_one_engine(ray_instance, reference):
+    cluster, router, address = start("collective")
+    try:
+        results, placement = run_concurrently(address)
+        assert results == reference
+        assert any(p.startswith("remote") for p in placement.values())
+    finally:
+        router.stop()
+        cluster.shutdown()
+
+
+INVALID = [
+    ("empty text", dict(text=""), "text"),
+    ("no prompt", dict(), "prompt"),
+    ("over the context", dict(text="x", sampling=dict(max_tokens=5000)), "max_tokens"),
+    ("negative temperature", dict(text="x", sampling=dict(max_tokens=4, temperature=-1)), "temperature"),
+    ("top_p 0", dict(text="x", sampling=dict(max_tokens=4, top_p=0)), "top_p"),
+    ("top_p above 1", dict(text="x", sampling=dict(max_tokens=4, top_p=1.5)), "top_p"),
+    ("top_k -2", dict(text="x", sampling=dict(max_tokens=4, top_k=-2)), "top_k"),
+    ("unknown stop token", dict(text="x", sampling=dict(max_tokens=4, stop_token_ids=[10**6])), "stop_token_ids"),
+    ("too many stop strings", dict(text="x", sampling=dict(max_tokens=4, stop=["a"] * 17)), "stop"),
+    ("token id outside vocab", dict(token_ids=dict(ids=[1, 10**6])), "token_ids"),
+    ("empty chat", dict(chat=dict(messages=[])), "chat"),
+]
+
+
+def test_invalid_requests_get_invalid_argument_and_others_keep_running(grpc_cluster):
+    _, _, address = grpc_cluster
+    stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+    long_request = api_pb2.GenerateRequest(
+        token_ids=api_pb2.TokenIds(ids=list(range(40, 90))),
+        sampling=api_pb2.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    )
+    running = stub.Generate(long_request, timeout=120)
+    first = next(running)
+    for name, fields, field in INVALID:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(api_pb2.GenerateRequest(**fields), timeout=30))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, name
+        assert field in e.value.details(), (name, e.value.details())
+    rest = list(running)
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 200
+    assert rest[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH
+
+
+def test_sdk_raises_typed_errors(grpc_cluster):
+    _, _, address = grpc_cluster
+    with Client(address) as client, pytest.raises(InvalidArgument, match="temperature"):
+        client.generate("x", max_tokens=4, temperature=-1)
+
+
+@pytest.mark.parametrize("prompt_len", [4, 60], ids=["local-prefill", "remote-prefill"])
+def test_cancelled_stream_frees_decode_kv_within_a_second(grpc_cluster, prompt_len):
+    _, _, address = grpc_cluster
+    with Client(address, timeout=120) as client:
+        stream = client.stream(list(range(100, 100 + prompt_len)), max_tokens=500, temperature=0, ignore_eos=True)
+        for _, _ in zip(range(3), stream, strict=False):
+            pass
+        assert any(kv_in_use(address)[n] for n in kv_in_use(address) if n.startswith("decode"))
+        stream.close()  # the client leaves mid-stream
+        assert wait_for_idle_kv(address, within_s=1.0) < 1.0
+
+
+def test_deadline_frees_decode_kv_within_a_second(grpc_cluster):
+    _, _, address = grpc_cluster
+    with Client(address, timeout=120) as client, pytest.raises(DeadlineExceeded):
+        client.generate(list(range(200, 260)), max_tokens=900, temperature=0, ignore_eos=True, timeout=0.5)
+    assert wait_for_idle_kv(address, within_s=1.0) < 1.0
+
+
+def test_streaming_and_async_clients_agree(grpc_cluster):
+    _, _, address = grpc_cluster
+    with Client(address) as client:
+        whole = client.generate("def add(a, b):", max_tokens=20, temperature=0)
+        deltas = list(client.stream("def add(a, b):", max_tokens=20, temperature=0))
+    assert "".join(d.text for d in deltas) == whole.text
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert deltas[-1].finish_reason == whole.finish_reason == "length"
+    assert whole.completion_tokens == 20 and whole.prompt_tokens > 0
+
+    async def use_async():
+        async with AsyncClient(address) as client:
+            done = await client.generate("def add(a, b):", max_tokens=20, temperature=0)
+            streamed = [d async for d in client.stream("def add(a, b):", max_tokens=20, temperature=0)]
+            return done, streamed
+
+    done, streamed = asyncio.run(use_async())
+    assert done.token_ids == whole.token_ids
+    assert "".join(d.text for d in streamed) == whole.text
+
+
+def test_retry_reaches_a_router_that_was_briefly_unavailable(grpc_cluster):
+    cluster, _, _ = grpc_cluster
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    late = from_config(config("grpc"), cluster.discover)
+    timer = threading.Timer(0.6, late.start, args=(f"127.0.0.1:{port}",))
+    timer.start()
+    try:
+        with Client(f"127.0.0.1:{port}", retries=6, backoff_s=0.1, timeout=60) as client:
+            done = client.generate("import os", max_tokens=8, temperature=0)
+        assert len(done.token_ids) == 8
+    finally:
+        timer.join()
+        late.stop()
+
+
+def test_status_shows_the_pools_while_requests_run(grpc_cluster, capsys):
+    _, _, address = grpc_cluster
+    with Client(address, timeout=120) as client:
+        stream = client.stream(list(range(300, 360)), max_tokens=400, temperature=0, ignore_eos=True)
+        next(stream)
+        assert cli(["status", "--target", address]) == 0
+        stream.close()
+    out = capsys.readouterr().out
+    assert "model tandem-demo-code" in out
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        line = next(line for line in out.splitlines() if line.startswith(name))
+        assert role in line and " up " in line
+    assert "placement: prefill=" in out
+
+
+def test_sdk_imports_without_torch_or_ray():
+    code = (
+        "import sys\n"
+        "import router.client as c\n"
+        "assert c.Client and c.AsyncClient\n"
+        "heavy = sorted(m for m in ('torch', 'ray', 'numpy', 'cluster') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
