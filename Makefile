@@ -4,7 +4,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_MODEL := models/tandem-demo-code
 PROMPT ?= def fibonacci(n):
 
 .PHONY: run test lint proto clean
@@ -16,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 run: $(STAMP)
-	$(VENV)/bin/tandem generate --model $(DEMO_MODEL) --prompt '$(PROMPT)' --max-tokens 48
+	$(VENV)/bin/tandem serve --config examples/local.yaml --port 0 --prompt '$(PROMPT)' --max-tokens 48
 
 test: $(STAMP)
 	$(PY) -m pytest

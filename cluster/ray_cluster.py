@@ -97,7 +97,7 @@ class RayCluster:
         ray.kill(self.actors[name], no_restart=False)
 
     def shutdown(self) -> None:
-        for actor in self.actors.values():
+        for actor in reversed(self.actors.values()):  # prefill first: its KV channels close before decode stops
             with contextlib.suppress(Exception):  # a worker that is already gone has nothing to stop
                 ray.get(actor.stop.remote(), timeout=10)
             ray.kill(actor, no_restart=True)

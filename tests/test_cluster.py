@@ -273,3 +273,49 @@ def test_sdk_imports_without_torch_or_ray():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+def test_router_serves_health_and_reflection_and_bounds_its_queue(grpc_cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    cluster, _, address = grpc_cluster
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        (answer,) = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([ask]), timeout=5)
+        names = {s.name for s in answer.list_services_response.service}
+        assert {"tandem.v1.Tandem", "tandem.v1.Admin", "grpc.health.v1.Health"} <= names
+
+    small = from_config(
+        config("grpc").model_copy(
+            update={"router": config("grpc").router.model_copy(update={"max_queued_requests": 1})}
+        ),
+        cluster.discover,
+    )
+    small_address = small.start()
+    try:
+        with Client(small_address, timeout=60, retries=0) as client:
+            busy = client.stream(list(range(400, 430)), max_tokens=300, temperature=0, ignore_eos=True)
+            next(busy)
+            with pytest.raises(Exception) as e:
+                client.generate("x", max_tokens=2)
+            assert type(e.value).__name__ == "ResourceExhausted", e.value
+            busy.close()
+    finally:
+        small.stop()
+
+
+def test_a_worker_that_dies_is_restarted_and_registered_again(grpc_cluster):
+    cluster, _, address = grpc_cluster
+    before = cluster.discover()["decode-0"]
+    cluster.kill_worker("decode-0")
+    deadline = time.monotonic() + 60
+    while cluster.discover().get("decode-0") == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.discover()["decode-0"] != before, "the restarted worker should register its new address"
+    time.sleep(1.2)  # the router refreshes its worker list every second
+    with Client(address, timeout=60) as client:
+        done = client.generate(list(range(500, 560)), max_tokens=6, temperature=0)
+    assert len(done.token_ids) == 6
