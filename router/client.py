@@ -209,6 +209,7 @@ class Client:
             yield _delta(m)
 
     def model_info(self, timeout: float | None = None) -> api_pb2.ModelInfo:
+        """The served model: name, context length, vocabulary size, dtype, EOS ids, chat template."""
         try:
             return self._stub.GetModelInfo(
                 api_pb2.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata
@@ -217,6 +218,7 @@ class Client:
             raise _error(e) from None
 
     def close(self) -> None:
+        """Closes the channel; calls in progress are cancelled."""
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -276,6 +278,7 @@ class AsyncClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> Completion:
+        """As `Client.generate`."""
         parts = _Assembler()
         metadata: dict[str, str] = {}
         async for m in self._responses(_request(prompt, request_id, sampling), timeout, metadata):
@@ -290,10 +293,12 @@ class AsyncClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncIterator[Delta]:
+        """As `Client.stream`; leaving the loop early cancels the request."""
         async for m in self._responses(_request(prompt, request_id, sampling), timeout, {}):
             yield _delta(m)
 
     async def model_info(self, timeout: float | None = None) -> api_pb2.ModelInfo:
+        """As `Client.model_info`."""
         try:
             return await self._stub.GetModelInfo(
                 api_pb2.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata
@@ -302,6 +307,7 @@ class AsyncClient:
             raise _error(e) from None
 
     async def close(self) -> None:
+        """Closes the channel; calls in progress are cancelled."""
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -319,3 +319,15 @@ def test_a_worker_that_dies_is_restarted_and_registered_again(grpc_cluster):
     with Client(address, timeout=60) as client:
         done = client.generate(list(range(500, 560)), max_tokens=6, temperature=0)
     assert len(done.token_ids) == 6
+
+
+def test_chat_messages_go_through_the_models_chat_template(grpc_cluster):
+    _, _, address = grpc_cluster
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    tok = Tokenizer(DEMO)
+    expected_prompt = tok.encode(tok.apply_chat_template(messages))
+    with Client(address) as client:
+        chat = client.generate(messages, max_tokens=8, temperature=0)
+        same = client.generate(expected_prompt, max_tokens=8, temperature=0)
+    assert chat.prompt_tokens == len(expected_prompt)
+    assert chat.token_ids == same.token_ids

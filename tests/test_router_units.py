@@ -1,0 +1,100 @@
+"""The router's pure parts: request validation and worker placement, without servers."""
+
+from __future__ import annotations
+
+import pytest
+from tandem.v1 import api_pb2, worker_pb2
+
+from router.placement import NoCapacity, choose, choose_decode, ring_owner
+from router.validate import InvalidRequest, Limits, validate
+
+LIMITS = Limits(context_length=100, vocab_size=500, max_stop_strings=2)
+
+
+class Words:
+    vocab_size = 500
+
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+    def apply_chat_template(self, messages):
+        return " ".join(f"<{m['role']}> {m['content']}" for m in messages)
+
+
+def request(**fields) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(**fields)
+
+
+def test_valid_request_resolves_max_tokens_and_defaults():
+    prompt, params = validate(request(text="aa bbb c"), LIMITS, Words())
+    assert prompt == [2, 3, 1]
+    assert params.max_tokens == 97 and params.temperature == 1.0 and params.top_k == -1
+    chat = request(chat=api_pb2.ChatPrompt(messages=[api_pb2.ChatMessage(role="user", content="hi there")]))
+    assert validate(chat, LIMITS, Words())[0] == [6, 2, 5]
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        (dict(text=""), "text"),
+        (dict(), "prompt"),
+        (dict(text="a " * 100), "text"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(max_tokens=100)), "sampling.max_tokens"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(temperature=-0.5)), "sampling.temperature"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(top_p=0)), "sampling.top_p"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(top_k=-2)), "sampling.top_k"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(min_p=2)), "sampling.min_p"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(max_tokens=3, min_tokens=4)), "sampling.min_tokens"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(stop=["x", "y", "z"])), "sampling.stop"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(stop=[""])), "sampling.stop"),
+        (dict(text="a", sampling=api_pb2.SamplingParams(stop_token_ids=[500])), "sampling.stop_token_ids"),
+        (dict(token_ids=api_pb2.TokenIds(ids=[1, 500])), "token_ids.ids"),
+        (dict(chat=api_pb2.ChatPrompt()), "chat.messages"),
+    ],
+)
+def test_each_bad_field_is_named(fields, field):
+    with pytest.raises(InvalidRequest) as e:
+        validate(request(**fields), LIMITS, Words())
+    assert e.value.field == field
+
+
+def load(role: str, free: int = 100, running: int = 0, queued: int = 0, draining: bool = False):
+    return worker_pb2.WorkerLoad(
+        role=role, free_kv_blocks=free, total_kv_blocks=100, running_seqs=running,
+        queued_prompt_tokens=queued, draining=draining,
+    )  # fmt: skip
+
+
+def test_decode_choice_needs_room_then_prefers_the_lightest():
+    loads = {"decode-0": load("decode", free=3), "decode-1": load("decode", running=5), "decode-2": load("decode")}
+    assert choose_decode(16 * 10, loads, 16) == "decode-2"
+    assert choose_decode(16 * 2, {"decode-0": loads["decode-0"], "decode-1": loads["decode-1"]}, 16) == "decode-0"
+    with pytest.raises(NoCapacity):
+        choose_decode(16 * 200, loads, 16)
+    with pytest.raises(NoCapacity):
+        choose_decode(16, {"decode-0": load("decode", draining=True)}, 16)
+
+
+def test_short_prompts_prefill_locally_and_long_ones_go_to_the_prefix_owner():
+    loads = {"decode-0": load("decode"), "prefill-0": load("prefill"), "prefill-1": load("prefill")}
+    assert choose([1, 2, 3], 5, loads, 16, local_prefill_max_tokens=8).reason == "local:short-prompt"
+    prompt = list(range(40))
+    first = choose(prompt, 5, loads, 16, local_prefill_max_tokens=8)
+    assert first.reason == "remote:prefix-owner"
+    # Another prompt with the same first block goes to the same worker.
+    assert choose(prompt[:16] + [7] * 30, 5, loads, 16, 8).prefill == first.prefill
+    # Unless that worker's queue is far longer than another's.
+    busy = dict(loads, **{first.prefill: load("prefill", queued=10_000)})
+    other = choose(prompt, 5, busy, 16, 8, queue_slack_tokens=100)
+    assert other.prefill != first.prefill and other.reason == "remote:shortest-queue"
+    assert choose(prompt, 5, {"decode-0": load("decode")}, 16, 8).reason == "local:no-prefill-worker"
+
+
+def test_consistent_hashing_moves_few_keys_when_a_worker_joins():
+    keys = [[i, i + 1] for i in range(400)]
+    before = {tuple(k): ring_owner(k, ["a", "b", "c"]) for k in keys}
+    after = {tuple(k): ring_owner(k, ["a", "b", "c", "d"]) for k in keys}
+    moved = sum(before[k] != after[k] for k in before)
+    assert all(after[k] == "d" for k in before if before[k] != after[k])
+    assert moved < 0.4 * len(keys)
+    assert len(set(before.values())) == 3
