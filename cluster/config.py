@@ -147,6 +147,28 @@ class SLOConfig(_Part):
     window_s: float = Field(default=60.0, gt=0, description="Sliding window over which SLO attainment is computed.")
 
 
+class TelemetryConfig(_Part):
+    exporter: Literal["none", "console", "otlp-grpc", "otlp-http"] = Field(
+        default="none",
+        description="Where trace spans go: nowhere, the console (stderr, or files under console_dir), or an OTLP "
+        "collector (needs the opentelemetry-exporter-otlp package).",
+    )
+    endpoint: str | None = Field(
+        default=None, description="OTLP collector endpoint; unset uses the exporter's default."
+    )
+    console_dir: Path | None = Field(
+        default=None, description="With exporter=console: write each process's spans as JSON lines to a file here."
+    )
+    sample_ratio: float = Field(default=1.0, ge=0, le=1, description="Share of requests traced (parent-based).")
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Port of the router's Prometheus /metrics endpoint (0 picks a free one); workers always pick "
+        "free ports, which `tandem status` lists.",
+    )
+
+
 class AuthConfig(_Part):
     api_keys: tuple[SecretStr, ...] = Field(
         default=(), description="Keys clients present; empty disables client authentication."
@@ -185,6 +207,7 @@ class ClusterConfig(_Part):
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill worker pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode worker pool.")
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Traces and metrics.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Credentials and TLS.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="The front door.")
     ray_address: str | None = Field(

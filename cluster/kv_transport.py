@@ -69,6 +69,7 @@ class SendStream:
         self.state = TransferState.RESERVED
         self.error: TransferError | None = None
         self.num_blocks = 0  # reported by the receiver on success
+        self.bytes_sent = 0  # tensor bytes handed to the transport
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queued + 2)
         self._queue.put(header)
         self._finished = threading.Event()
@@ -77,6 +78,7 @@ class SendStream:
 
     def send(self, chunk: KVChunk) -> None:
         self.state = TransferState.RECEIVING if self.state is TransferState.RESERVED else self.state
+        self.bytes_sent += chunk.nbytes
         self._put(chunk)
 
     def commit(self, first_token: int) -> None:

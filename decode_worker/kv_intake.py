@@ -39,6 +39,8 @@ class Transfer:
     cached: int  # leading positions already in this worker's prefix cache
     state: TransferState = TransferState.RESERVED
     layers: set[int] = field(default_factory=set)
+    reserved_at: float = field(default_factory=time.time)
+    nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -67,6 +69,8 @@ class KVIntake:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        # request id -> (reserved at, admitted at, bytes), for the worker's traces; popped by it
+        self.admitted: dict[str, tuple[float, float, int]] = {}
 
     @property
     def in_flight(self) -> int:
@@ -104,6 +108,7 @@ class KVIntake:
                 self._require_live(transfer)
                 transfer.state = TransferState.RECEIVING
                 self._copy_into_cache(transfer, chunk)
+                transfer.nbytes += chunk.nbytes
                 transfer.layers.update(range(chunk.layer_start, chunk.layer_start + chunk.layer_count))
         except TransferError as e:
             self.fail(transfer, e)
@@ -125,6 +130,9 @@ class KVIntake:
             raise
         with self._lock:
             self._transfers.pop(header.request_id, None)
+            self.admitted[header.request_id] = (transfer.reserved_at, time.time(), transfer.nbytes)
+            while len(self.admitted) > 4096:  # nobody collected these
+                self.admitted.pop(next(iter(self.admitted)))
         return num_blocks
 
     def fail(self, transfer: Transfer, error: TransferError) -> None:

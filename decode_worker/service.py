@@ -22,13 +22,14 @@ from collections.abc import Iterator
 import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, TelemetryConfig
 from cluster.grpc_server import Server, start_server
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import KVTransferService, channel_options, handlers
 from cluster.kv_wire import model_fingerprint
 from cluster.loader import load_model
 from cluster.request import params_from_proto
+from cluster.telemetry import Telemetry, extract
 from cluster.tokenizer import Tokenizer
 from decode_worker.engine import Engine, RequestOutput
 from decode_worker.kv_intake import KVIntake
@@ -61,9 +62,15 @@ def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
 
 class DecodeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(
-        self, engine: Engine, intake: KVIntake, worker_id: str, groups: CollectiveGroups | None = None
+        self,
+        engine: Engine,
+        intake: KVIntake,
+        worker_id: str,
+        groups: CollectiveGroups | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.engine = engine
+        self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.intake = intake
         self.worker_id = worker_id
         self.groups = groups
@@ -86,6 +93,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             return ["tandem.v1.Worker", "tandem.v1.KVTransfer"]
 
         self.server = start_server(add, address, extra_options=channel_options(256 << 20)[2:])
+        self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self.intake.start()
         self._loop.start()
         return self.server.address
@@ -98,12 +106,15 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             self.server.stop(None)
         if self.groups is not None:
             self.groups.close()
+        self.telemetry.shutdown()
 
     # -- the Worker service ------------------------------------------------------------------------
 
     def Submit(
         self, request: worker_pb2.WorkerRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.WorkerTokens]:
+        submitted = time.time()
+        parent = extract(context.invocation_metadata())
         rid = request.request_id
         if self._draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
@@ -127,6 +138,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
                 self._forget(rid)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self._wake.set()
+        first_at, tokens = None, 0
         while context.is_active():
             try:
                 out = stream.get(timeout=0.1)
@@ -135,10 +147,13 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             if out is None:  # the engine failed
                 self._forget(rid)
                 context.abort(grpc.StatusCode.INTERNAL, "the decode engine failed; see the worker's log")
+            first_at = first_at or time.time()
+            tokens += len(out.token_ids)
             finished = out.finished
             yield tokens_message(out)
             if finished:
                 self._forget(rid)
+                self._observe(parent, rid, request.remote_prefill, submitted, first_at, tokens, out.finish_reason)
                 return
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
@@ -156,6 +171,12 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
 
     def load(self) -> worker_pb2.WorkerLoad:
         s = self.engine.scheduler
+        m = self.telemetry.metrics
+        m.kv_usage.set(s.blocks.usage)
+        m.running.set(len(s.running))
+        m.waiting.set(len(s.waiting))
+        m.preemptions.set(s.stats.num_preemptions)
+        m.prefix_hit_rate.set(s.blocks.prefix_hits / s.blocks.prefix_queries if s.blocks.prefix_queries else 0.0)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id,
             role="decode",
@@ -165,9 +186,30 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             free_kv_blocks=s.blocks.num_free_blocks,
             total_kv_blocks=s.blocks.num_blocks,
             draining=self._draining,
+            metrics_address=self.telemetry.metrics.address or "",
         )
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _observe(self, parent, rid: str, remote: bool, submitted: float, first_at: float, tokens: int, reason) -> None:  # type: ignore[no-untyped-def]
+        """Spans of one request here: its KV's admission (remote prefill) and its decode."""
+        t = self.telemetry
+        admitted = self.intake.admitted.pop(rid, None)
+        if remote and admitted is not None:
+            reserved_at, admitted_at, nbytes = admitted
+            t.record(
+                "decode.admit",
+                parent,
+                reserved_at,
+                admitted_at,
+                tandem__worker=self.worker_id,
+                tandem__kv__bytes=nbytes,
+            )
+        start = submitted if not remote else (admitted[1] if admitted else first_at)
+        t.record(
+            "decode", parent, start, time.time(), tandem__worker=self.worker_id, gen_ai__usage__output_tokens=tokens,
+            gen_ai__response__finish_reasons=[reason or "abort"], tandem__prefill_mode="remote" if remote else "local",
+        )  # fmt: skip
 
     def _cancel(self, rid: str) -> bool:
         """Aborts `rid` wherever it is: running, waiting, or its KV still on the way."""
@@ -226,4 +268,5 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     )
     t = config.transfer
     intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=t.timeout_s)
-    return DecodeWorker(engine, intake, worker_id, CollectiveGroups(m.device, t.timeout_s, t.max_groups))
+    groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
+    return DecodeWorker(engine, intake, worker_id, groups, Telemetry(config.telemetry, f"tandem-{worker_id}"))

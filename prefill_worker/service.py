@@ -14,13 +14,14 @@ The engine is stepped by one thread; Submit and Abort reach it through the worke
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future
 
 import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-from cluster.config import ClusterConfig, TransferConfig
+from cluster.config import ClusterConfig, TelemetryConfig, TransferConfig
 from cluster.grpc_server import Server, start_server
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import CollectiveSender, GrpcSender
@@ -28,19 +29,28 @@ from cluster.kv_transport import KVSender, TransferState
 from cluster.loader import load_model
 from cluster.model_runner import num_kv_blocks
 from cluster.request import params_from_proto
+from cluster.telemetry import Telemetry, extract
 from cluster.tokenizer import Tokenizer
 from prefill_worker.engine import PrefillEngine, PrefillOutput
 
 
 class PrefillWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: PrefillEngine, transfer: TransferConfig, worker_id: str, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        transfer: TransferConfig,
+        worker_id: str,
+        device: str = "cpu",
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.engine = engine
+        self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.transfer = transfer
         self.worker_id = worker_id
         self.groups = CollectiveGroups(device, transfer.timeout_s, transfer.max_groups)
         self.server: Server | None = None
         self._senders: dict[str, KVSender] = {}
-        self._waiters: dict[str, Future[PrefillOutput]] = {}
+        self._waiters: dict[str, Future[tuple[PrefillOutput, float, float]]] = {}  # (output, step start, end)
         self._lock = threading.Lock()  # the engine, the senders and the waiters
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -53,6 +63,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             return ["tandem.v1.Worker"]
 
         self.server = start_server(add, address)
+        self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self._loop.start()
         return self.server.address
 
@@ -64,12 +75,15 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         for sender in self._senders.values():
             sender.close()  # type: ignore[attr-defined]
         self.groups.close()
+        self.telemetry.shutdown()
 
     # -- the Worker service ------------------------------------------------------------------------
 
     def Submit(
         self, request: worker_pb2.WorkerRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.WorkerTokens]:
+        submitted = time.time()
+        parent = extract(context.invocation_metadata())
         rid = request.request_id
         if self._draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
@@ -79,7 +93,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             params = params_from_proto(request.sampling)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
-        waiter: Future[PrefillOutput] = Future()
+        waiter: Future[tuple[PrefillOutput, float, float]] = Future()
         with self._lock:
             try:
                 sender = self._sender(request.decode_target)
@@ -91,12 +105,13 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         context.add_callback(lambda: None if done else self._cancel(rid))
         self._wake.set()
         try:
-            out = waiter.result()
+            out, step_start, step_end = waiter.result()
         except CancelledError:
             return  # the caller left; `_cancel` already aborted the request
         except Exception as e:
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}")
         state = out.transfer.wait(self.transfer.timeout_s + self.transfer.lease_s)
+        self._observe(parent, out, submitted, step_start, step_end, time.time())
         if state is not TransferState.DONE:
             error = out.transfer.error
             code, message = (error.code, error.message) if error else (grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
@@ -129,6 +144,11 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
 
     def load(self) -> worker_pb2.WorkerLoad:
         stats = self.engine.stats()
+        m = self.telemetry.metrics
+        m.kv_usage.set(1 - stats.free_blocks / stats.total_blocks)
+        m.running.set(stats.prefilling)
+        m.waiting.set(stats.waiting)
+        m.prefix_hit_rate.set(stats.prefix_hit_rate)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id,
             role="prefill",
@@ -138,9 +158,31 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             free_kv_blocks=stats.free_blocks,
             total_kv_blocks=stats.total_blocks,
             draining=self._draining,
+            metrics_address=self.telemetry.metrics.address or "",
         )
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _observe(self, parent, out: PrefillOutput, submitted: float, start: float, end: float, done: float) -> None:  # type: ignore[no-untyped-def]
+        """Spans and metrics of one prefill: queue, compute (its last pass) and the KV transfer."""
+        t, m, transport = self.telemetry, self.telemetry.metrics, self.transfer.transport
+        stream = out.transfer
+        t.record("prefill.queue", parent, submitted, start, tandem__worker=self.worker_id)
+        t.record(
+            "prefill.compute", parent, start, end, tandem__worker=self.worker_id,
+            gen_ai__usage__input_tokens=out.num_prompt_tokens, tandem__cached_tokens=out.num_cached_tokens,
+        )  # fmt: skip
+        error = stream.error
+        t.record(
+            "kv.transfer", parent, start, done, tandem__kv__transport=transport, tandem__kv__bytes=stream.bytes_sent,
+            tandem__kv__state=stream.state.value, tandem__kv__error=str(error) if error else None,
+        )  # fmt: skip
+        m.queue.labels("prefill").observe(start - submitted)
+        if error is None:
+            m.kv_transfer.labels(transport).observe(done - start)
+            m.kv_bytes.labels(transport).observe(stream.bytes_sent)
+        else:
+            m.transfer_failures.labels(error.code.name).inc()
 
     def _sender(self, target: str) -> KVSender:
         sender = self._senders.get(target)
@@ -166,7 +208,9 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             with self._lock:
                 busy = self.engine.scheduler.has_work
                 try:
+                    step_start = time.time()
                     outputs = self.engine.step() if busy else []
+                    step_end = time.time()
                 except Exception as e:  # a failed pass fails every waiting call, loudly
                     for rid, waiter in list(self._waiters.items()):
                         self.engine.abort(rid)
@@ -179,7 +223,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
                 for out in outputs:
                     waiter = self._waiters.pop(out.request_id, None)
                     if waiter is not None and not waiter.done():
-                        waiter.set_result(out)
+                        waiter.set_result((out, step_start, step_end))
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -194,4 +238,5 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     eos = Tokenizer(m.path).eos_token_ids
     num_blocks = num_kv_blocks(model, config.cache)
     engine = PrefillEngine(model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed)
-    return PrefillWorker(engine, config.transfer, worker_id, m.device)
+    telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
+    return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry)

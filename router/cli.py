@@ -139,10 +139,12 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     finally:
         channel.close()
-    print(f"model {status.model}, {status.requests_in_flight} requests in flight")
+    slo = f"{status.slo_attainment:.0%}" if status.HasField("slo_attainment") else "no requests yet"
+    print(f"model {status.model}, {status.requests_in_flight} requests in flight, SLO attainment {slo}")
+    print(f"router metrics: http://{status.metrics_address}/metrics")
     print(
         f"{'worker':<12}{'role':<9}{'address':<22}{'health':<8}{'running':>8}{'waiting':>8}"
-        f"{'queued tok':>11}{'KV used':>14}"
+        f"{'queued tok':>11}{'KV used':>14}  metrics"
     )
     for w in status.workers:
         load = w.load
@@ -152,7 +154,7 @@ def _status(args: argparse.Namespace) -> int:
         role = load.role or "?"
         print(
             f"{w.name:<12}{role:<9}{w.address:<22}{health:<8}{load.running_seqs:>8}{load.waiting_seqs:>8}"
-            f"{load.queued_prompt_tokens:>11}{kv:>14}"
+            f"{load.queued_prompt_tokens:>11}{kv:>14}  {load.metrics_address or '-'}"
         )
     if status.decisions:
         print("placement: " + ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())))

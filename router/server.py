@@ -20,15 +20,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cluster.arch import ModelArch
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, SLOConfig
 from cluster.grpc_server import Server, message_options, start_server
 from cluster.request import SamplingParams, params_to_proto
+from cluster.slo import RequestTiming, SLOWindow, Targets
+from cluster.telemetry import Telemetry, extract, inject
 from cluster.tokenizer import Tokenizer
 from router.placement import Choice, NoCapacity, choose
 from router.validate import InvalidRequest, Limits, PromptTokenizer, validate
@@ -100,13 +104,19 @@ class RouterSettings:
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
     dtype: str
+    slo: SLOConfig = field(default_factory=SLOConfig)
     max_queued_requests: int = 256
     local_prefill_max_tokens: int = 64
+    metrics_port: int = 0
 
 
 class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
-    def __init__(self, settings: RouterSettings, tokenizer: PromptTokenizer, pool: WorkerPool) -> None:
+    def __init__(
+        self, settings: RouterSettings, tokenizer: PromptTokenizer, pool: WorkerPool, telemetry: Telemetry
+    ) -> None:
         self.settings = settings
+        self.telemetry = telemetry
+        self.slo = SLOWindow(settings.slo.window_s)
         self.tokenizer = tokenizer
         self.pool = pool
         self.decisions: collections.Counter[str] = collections.Counter()
@@ -122,12 +132,14 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
         self.server = start_server(add, address)
+        self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop(None)
         self.pool.close()
+        self.telemetry.shutdown()
 
     # -- tandem.v1.Tandem --------------------------------------------------------------------------
 
@@ -146,21 +158,42 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
     def Generate(
         self, request: api_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[api_pb2.GenerateResponse]:
+        received = time.time()
         rid = request.request_id or uuid.uuid4().hex
+        parent = extract(context.invocation_metadata())  # continues a client's traceparent
+        root = self.telemetry.tracer.start_span(
+            "router.generate", context=parent, kind=trace.SpanKind.SERVER,
+            attributes={"gen_ai.request.model": self.settings.model_name, "tandem.request_id": rid},
+        )  # fmt: skip
+        status = "error"
         try:
-            prompt, params = validate(request, self.settings.limits, self.tokenizer)
-        except InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's admission queue is full; retry later")
-        try:
-            with self._lock:
-                self._in_flight += 1
-            yield from self._generate(rid, prompt, params, context)
+            try:
+                prompt, params = validate(request, self.settings.limits, self.tokenizer)
+            except InvalidRequest as e:
+                status = "invalid"
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if not self._slots.acquire(blocking=False):
+                status = "rejected"
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's admission queue is full; retry later")
+            try:
+                with self._lock:
+                    self._in_flight += 1
+                targets = self._targets(request)
+                trace_context = trace.set_span_in_context(root)
+                outcome: dict[str, object] = {}
+                yield from self._generate(rid, prompt, params, context, received, targets, trace_context, outcome)
+                status = str(outcome.get("status", "error"))
+                self._account(root, received, outcome, targets, status)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                self._slots.release()
         finally:
-            with self._lock:
-                self._in_flight -= 1
-            self._slots.release()
+            if status == "error" and not context.is_active():
+                status = "cancelled"
+            self.telemetry.metrics.requests.labels(status, self._mode(root)).inc()
+            root.set_attribute("tandem.status", status)
+            root.end()
 
     # -- tandem.v1.Admin ---------------------------------------------------------------------------
 
@@ -176,32 +209,49 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             ],
             decisions=dict(self.decisions),
             requests_in_flight=self._in_flight,
+            slo_attainment=self.slo.attainment(),
+            metrics_address=self.telemetry.metrics.address or "",
         )
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _generate(
-        self, rid: str, prompt: list[int], params: SamplingParams, context: grpc.ServicerContext
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        context: grpc.ServicerContext,
+        received: float,
+        targets: Targets,
+        trace_context: otel_context.Context,
+        outcome: dict[str, object],
     ) -> Iterator[api_pb2.GenerateResponse]:
         s = self.settings
         try:
             choice = choose(prompt, params.max_tokens, self.pool.loads(), s.block_size, s.local_prefill_max_tokens)
         except NoCapacity as e:
+            outcome["status"] = "rejected"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.decisions[f"prefill={choice.reason}"] += 1
+        outcome["choice"] = choice
+        trace.get_current_span(trace_context).set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
         context.send_initial_metadata(
             (("tandem-request-id", rid), ("tandem-prefill", _describe(choice)), ("tandem-decode", choice.decode))
         )
+        placed = time.time()
+        self.telemetry.record("router.queue", trace_context, received, placed, tandem__prefill=_describe(choice))
+        self.telemetry.metrics.queue.labels("router").observe(placed - received)
         workers = self.pool.workers()
         decode = workers[choice.decode]
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
+        metadata = _trace_metadata(trace_context)
         sampling = params_to_proto(params)
         remote = choice.prefill is not None
         request = worker_pb2.WorkerRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=remote
         )
-        decode_call = decode.stub.Submit(request, timeout=timeout)
+        decode_call = decode.stub.Submit(request, timeout=timeout, metadata=metadata)
         calls = [decode_call]
         prefill_result: dict[str, object] = {}
         if remote:
@@ -210,36 +260,102 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                     request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_target=decode.address
                 ),
                 timeout=timeout,
+                metadata=metadata,
             )
             calls.append(prefill_call)
             threading.Thread(
                 target=_watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
             ).start()
         context.add_callback(lambda: [c.cancel() for c in calls])
-        generated = 0
+        chunks: list[tuple[float, int]] = []
+        outcome["chunks"] = chunks
         try:
             for msg in decode_call:
-                generated += len(msg.token_ids)
-                usage = None
-                if msg.finish_reason:
-                    cached = prefill_result.get("cached", msg.num_cached_tokens)
-                    usage = api_pb2.Usage(
-                        prompt_tokens=len(prompt),
-                        completion_tokens=generated,
-                        cached_prompt_tokens=cached,  # type: ignore[arg-type]
-                    )
-                yield api_pb2.GenerateResponse(
+                chunks.append((time.time(), len(msg.token_ids)))
+                last = api_pb2.GenerateResponse(
                     request_id=rid,
                     text=msg.text,
                     token_ids=msg.token_ids,
                     logprobs=msg.logprobs,
                     finish_reason=msg.finish_reason,
-                    usage=usage,
                 )
+                if msg.finish_reason:
+                    timing = RequestTiming(received, tuple(chunks))
+                    last.usage.CopyFrom(
+                        api_pb2.Usage(
+                            prompt_tokens=len(prompt),
+                            completion_tokens=timing.output_tokens,
+                            cached_prompt_tokens=prefill_result.get("cached", msg.num_cached_tokens),  # type: ignore[arg-type]
+                        )
+                    )
+                    last.slo.CopyFrom(_slo_report(timing, targets))
+                    outcome.update(status="ok", finish_reason=msg.finish_reason, timing=timing, prompt=len(prompt))
+                yield last
         except grpc.RpcError as e:
             error = prefill_result.get("error", e)
+            outcome["status"] = "cancelled" if not context.is_active() else "error"
             if context.is_active():
                 context.abort(error.code(), f"{error.details()}")  # type: ignore[union-attr]
+
+    def _targets(self, request: api_pb2.GenerateRequest) -> Targets:
+        budget = request.budget
+        ttft = budget.ttft_seconds if budget.HasField("ttft_seconds") else self.settings.slo.ttft_s
+        tpot = budget.tpot_seconds if budget.HasField("tpot_seconds") else self.settings.slo.tpot_s
+        return Targets(ttft, tpot)
+
+    def _account(
+        self, root: trace.Span, received: float, outcome: dict[str, object], targets: Targets, status: str
+    ) -> None:
+        """Latency metrics, SLO attainment and the root span's attributes for a finished request."""
+        timing = outcome.get("timing")
+        if not isinstance(timing, RequestTiming):
+            return
+        m = self.telemetry.metrics
+        m.ttft.observe(timing.ttft)
+        m.e2e.observe(timing.e2e)
+        if timing.tpot is not None:
+            m.tpot.observe(timing.tpot)
+        for gap in timing.itl:
+            m.itl.observe(gap)
+        met = targets.met(timing.ttft, timing.tpot)
+        self.slo.record(met)
+        attainment = self.slo.attainment()
+        if attainment is not None:
+            m.slo_attainment.set(attainment)
+        finish = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
+        root.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": int(outcome.get("prompt", 0)),  # type: ignore[call-overload]
+                "gen_ai.usage.output_tokens": timing.output_tokens,
+                "gen_ai.response.finish_reasons": [finish.get(outcome.get("finish_reason"), "abort")],  # type: ignore[arg-type]
+                "tandem.ttft_s": timing.ttft,
+                "tandem.tpot_s": timing.tpot if timing.tpot is not None else 0.0,
+                "tandem.slo_met": met,
+            }
+        )
+
+    @staticmethod
+    def _mode(root: trace.Span) -> str:
+        attributes = getattr(root, "attributes", None) or {}
+        return str(attributes.get("tandem.prefill_mode", "none"))
+
+
+def _trace_metadata(trace_context: otel_context.Context) -> list[tuple[str, str]]:
+    token = otel_context.attach(trace_context)
+    try:
+        return inject()
+    finally:
+        otel_context.detach(token)
+
+
+def _slo_report(timing: RequestTiming, targets: Targets) -> api_pb2.SloReport:
+    return api_pb2.SloReport(
+        met=targets.met(timing.ttft, timing.tpot),
+        ttft_seconds=timing.ttft,
+        tpot_seconds=timing.tpot or 0.0,
+        ttft_target_seconds=targets.ttft_s,
+        tpot_target_seconds=targets.tpot_s,
+    )
 
 
 def _watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
@@ -271,7 +387,9 @@ def from_config(config: ClusterConfig, discover: Callable[[], dict[str, str]]) -
         eos_token_ids=tokenizer.eos_token_ids,
         has_chat_template=tokenizer.chat_template is not None,
         dtype=m.dtype,
+        slo=config.slo,
         max_queued_requests=config.router.max_queued_requests,
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
+        metrics_port=config.telemetry.metrics_port,
     )
-    return Router(settings, tokenizer, WorkerPool(discover))
+    return Router(settings, tokenizer, WorkerPool(discover), Telemetry(config.telemetry, "tandem-router"))

@@ -331,3 +331,125 @@ def test_chat_messages_go_through_the_models_chat_template(grpc_cluster):
         same = client.generate(expected_prompt, max_tokens=8, temperature=0)
     assert chat.prompt_tokens == len(expected_prompt)
     assert chat.token_ids == same.token_ids
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Prometheus text at http://address/metrics as {sample name with labels: value}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_prometheus_endpoints_count_the_requests(grpc_cluster):
+    _, router, address = grpc_cluster
+    before = scrape(router.telemetry.metrics.address)
+    with grpc.insecure_channel(address) as channel:
+        status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    workers = {w.name: w.load.metrics_address for w in status.workers}
+    prefill_before = scrape(workers["prefill-0"])
+    with Client(address, timeout=60) as client:
+        finals = [client.generate(list(range(600 + i, 640 + i)), max_tokens=5, temperature=0) for i in range(3)]
+        finals.append(client.generate([7, 8], max_tokens=5, temperature=0))  # local prefill
+    after = scrape(router.telemetry.metrics.address)
+    for name in ("tandem_ttft_seconds_count", "tandem_e2e_seconds_count", "tandem_tpot_seconds_count"):
+        assert after[name] - before.get(name, 0) == 4, name
+    assert after["tandem_itl_seconds_count"] - before.get("tandem_itl_seconds_count", 0) >= 4
+    key = 'tandem_requests_total{prefill_mode="remote",status="ok"}'
+    assert after[key] - before.get(key, 0) == 3
+    assert 0 <= after["tandem_slo_attainment"] <= 1
+    prefill_after = scrape(workers["prefill-0"])
+    count = 'tandem_kv_transfer_seconds_count{transport="grpc"}'
+    assert prefill_after[count] - prefill_before.get(count, 0) == 3
+    assert prefill_after['tandem_kv_transfer_bytes_sum{transport="grpc"}'] > prefill_before.get(
+        'tandem_kv_transfer_bytes_sum{transport="grpc"}', 0
+    )
+    decode = scrape(workers["decode-0"])
+    assert "tandem_kv_cache_usage" in decode and "tandem_running_seqs" in decode
+
+
+def test_the_last_message_reports_the_slo(grpc_cluster):
+    _, _, address = grpc_cluster
+    stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+    tight = api_pb2.GenerateRequest(
+        text="def add(a, b):",
+        sampling=api_pb2.SamplingParams(max_tokens=6, temperature=0),
+        budget=api_pb2.LatencyBudget(ttft_seconds=1e-6),
+    )
+    last = list(stub.Generate(tight, timeout=60))[-1]
+    assert last.slo.ttft_target_seconds == 1e-6 and not last.slo.met
+    assert last.slo.ttft_seconds > 0 and last.slo.tpot_seconds > 0
+    loose = api_pb2.GenerateRequest(
+        text="def add(a, b):",
+        sampling=api_pb2.SamplingParams(max_tokens=6, temperature=0),
+        budget=api_pb2.LatencyBudget(ttft_seconds=60, tpot_seconds=60),
+    )
+    assert list(stub.Generate(loose, timeout=60))[-1].slo.met
+
+
+def test_one_request_is_one_trace_across_router_prefill_and_decode(ray_instance, tmp_path):
+    import json
+
+    spans_dir = tmp_path / "spans"
+    cfg = config("grpc").model_copy(
+        update={
+            "telemetry": parse_config(
+                {"model": {"path": str(DEMO)}, "telemetry": {"exporter": "console", "console_dir": str(spans_dir)}}
+            ).telemetry
+        }
+    )
+    cluster = ray_cluster.start(cfg, namespace="tandem-traced")
+    router = from_config(cfg, cluster.discover)
+    address = router.start()
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+        request = api_pb2.GenerateRequest(
+            token_ids=api_pb2.TokenIds(ids=list(range(30, 90))),
+            sampling=api_pb2.SamplingParams(max_tokens=5, temperature=0),
+        )
+        metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"),)
+        assert len(list(stub.Generate(request, metadata=metadata, timeout=60))) >= 1
+        wanted = {
+            "router.generate",
+            "router.queue",
+            "prefill.queue",
+            "prefill.compute",
+            "kv.transfer",
+            "decode.admit",
+            "decode",
+        }
+        deadline = time.monotonic() + 10
+        while True:
+            spans = [json.loads(line) for f in spans_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
+            spans = [s for s in spans if s["context"]["trace_id"] == f"0x{trace_id}"]
+            if wanted <= {s["name"] for s in spans} or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        router.stop()
+        cluster.shutdown()
+    by_name = {s["name"]: s for s in spans}
+    assert wanted <= set(by_name), sorted(by_name)
+    root = by_name["router.generate"]
+    assert root["parent_id"] == f"0x{client_span}", "the client's traceparent is continued"
+    for name in wanted - {"router.generate"}:
+        assert by_name[name]["parent_id"] == root["context"]["span_id"], name
+    services = {name: by_name[name]["resource"]["attributes"]["service.name"] for name in wanted}
+    assert services["router.generate"] == "tandem-router"
+    assert services["prefill.compute"] == services["kv.transfer"] == "tandem-prefill-0"
+    assert services["decode"] == services["decode.admit"] == "tandem-decode-0"
+    files = {f.name.split("-")[-1] for f in spans_dir.glob("*.jsonl")}
+    assert len(files) >= 3, "router, prefill and decode write from three processes"
+    transfer = by_name["kv.transfer"]["attributes"]
+    arch = load_model(DEMO, "float32").arch
+    assert transfer["tandem.kv.bytes"] == 2 * arch.num_layers * 60 * arch.num_kv_heads * arch.head_dim * 4
+    assert transfer["tandem.kv.transport"] == "grpc"
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == 5
+    assert root["attributes"]["tandem.prefill_mode"] == "remote"
+    assert root["attributes"]["gen_ai.request.model"] == "tandem-demo-code"

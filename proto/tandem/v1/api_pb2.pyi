@@ -123,20 +123,36 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "slo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    slo: SloReport
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., slo: _Optional[_Union[SloReport, _Mapping]] = ...) -> None: ...
+
+class SloReport(_message.Message):
+    __slots__ = ("met", "ttft_seconds", "tpot_seconds", "ttft_target_seconds", "tpot_target_seconds")
+    MET_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    met: bool
+    ttft_seconds: float
+    tpot_seconds: float
+    ttft_target_seconds: float
+    tpot_target_seconds: float
+    def __init__(self, met: _Optional[bool] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., ttft_target_seconds: _Optional[float] = ..., tpot_target_seconds: _Optional[float] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

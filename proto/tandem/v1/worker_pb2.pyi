@@ -58,7 +58,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining")
+    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class WorkerLoad(_message.Message):
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_seqs: int
@@ -75,7 +76,8 @@ class WorkerLoad(_message.Message):
     free_kv_blocks: int
     total_kv_blocks: int
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
@@ -92,7 +94,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "workers", "decisions", "requests_in_flight")
+    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address")
     class DecisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,11 +106,15 @@ class ClusterStatus(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SLO_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     decisions: _containers.ScalarMap[str, int]
     requests_in_flight: int
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+    slo_attainment: float
+    metrics_address: str
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("name", "address", "healthy", "load")

@@ -1,0 +1,147 @@
+"""Traces and metrics for every Tandem process: one `Telemetry` object per process, passed in.
+
+Traces (OpenTelemetry): one trace per request. The router starts `router.generate` (continuing a
+client's W3C `traceparent` when it sends one) and passes the context to the workers in gRPC
+metadata; each worker records its spans (`prefill.queue`, `prefill.compute`, `kv.transfer`,
+`decode.admit`, `decode`) as children of it, with the times it measured. Nothing is global: each
+`Telemetry` owns its tracer provider, so several roles can share a process (as in tests).
+
+Metrics (Prometheus): each process serves `/metrics` from its own registry on its own port. The
+names are DESIGN.md's; latencies are in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import prometheus_client as prom
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from cluster.config import TelemetryConfig
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+# Latency buckets (seconds) from a millisecond to two minutes.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_BYTES = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
+
+
+class Metrics:
+    """The Prometheus metrics of one process (a role uses the ones that concern it)."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+
+        def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY):
+            return prom.Histogram(name, doc, labels, registry=r, buckets=buckets)
+
+        self.ttft = histogram("tandem_ttft_seconds", "Time to first token, measured at the router.")
+        self.tpot = histogram("tandem_tpot_seconds", "Time per output token after the first, per request.")
+        self.itl = histogram("tandem_itl_seconds", "Gaps between successive token messages.")
+        self.e2e = histogram("tandem_e2e_seconds", "Request latency, sent to last token.")
+        self.queue = histogram("tandem_queue_seconds", "Time before a request reaches a worker.", ["stage"])
+        self.kv_transfer = histogram("tandem_kv_transfer_seconds", "KV transfer, header to admission.", ["transport"])
+        self.kv_bytes = histogram("tandem_kv_transfer_bytes", "Bytes of one KV transfer.", ["transport"], _BYTES)
+        self.requests = prom.Counter("tandem_requests", "Finished requests.", ["status", "prefill_mode"], registry=r)
+        self.transfer_failures = prom.Counter(
+            "tandem_kv_transfer_failures", "KV transfers that failed.", ["code"], registry=r
+        )
+        self.preemptions = prom.Gauge("tandem_preemptions", "Preemptions on this worker since start.", registry=r)
+        self.kv_usage = prom.Gauge("tandem_kv_cache_usage", "Share of this worker's KV blocks in use.", registry=r)
+        self.running = prom.Gauge("tandem_running_seqs", "Sequences in the running batch.", registry=r)
+        self.waiting = prom.Gauge("tandem_waiting_seqs", "Sequences waiting.", registry=r)
+        self.prefix_hit_rate = prom.Gauge("tandem_prefix_cache_hit_rate", "Prefix-cache block hit rate.", registry=r)
+        self.slo_attainment = prom.Gauge(
+            "tandem_slo_attainment", "Share of recent requests that met both TTFT and TPOT targets.", registry=r
+        )
+        self.address: str | None = None
+        self._server: Any = None
+
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> str:
+        """Starts the `/metrics` HTTP endpoint; returns "host:port"."""
+        self._server, _ = prom.start_http_server(port, host, registry=self.registry)
+        self.address = f"{host}:{self._server.server_port}"
+        return self.address
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+
+class Telemetry:
+    def __init__(self, config: TelemetryConfig, service: str) -> None:
+        self.config = config
+        self.service = service
+        self.metrics = Metrics()
+        sampler = ParentBased(TraceIdRatioBased(config.sample_ratio))
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service}), sampler=sampler)
+        processor = _processor(config, service)
+        if processor is not None:
+            self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("tandem")
+
+    @contextmanager
+    def span(self, name: str, parent: otel_context.Context | None = None, **attributes: Any) -> Iterator[trace.Span]:
+        with self.tracer.start_as_current_span(name, context=parent, attributes=_clean(attributes)) as span:
+            yield span
+
+    def record(
+        self, name: str, parent: otel_context.Context | None, start_s: float, end_s: float, **attributes: Any
+    ) -> None:
+        """A finished span from times measured elsewhere (`time.time()` seconds)."""
+        start = int(start_s * 1e9)
+        span = self.tracer.start_span(name, context=parent, start_time=start, attributes=_clean(attributes))
+        span.end(end_time=int(end_s * 1e9))
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+        self.metrics.stop()
+
+
+def inject(metadata: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """gRPC metadata carrying the current trace context (`traceparent`, `tracestate`)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return [*(metadata or []), *carrier.items()]
+
+
+def extract(metadata: Sequence[tuple[str, str]] | None) -> otel_context.Context:
+    """The trace context in incoming gRPC metadata (an empty context when there is none)."""
+    return _PROPAGATOR.extract({k: v for k, v in (metadata or ())})
+
+
+def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {k.replace("__", "."): v for k, v in attributes.items() if v is not None}
+
+
+def _processor(config: TelemetryConfig, service: str):  # type: ignore[no-untyped-def]
+    if config.exporter == "none":
+        return None
+    if config.exporter == "console":
+        out = sys.stderr
+        if config.console_dir is not None:
+            config.console_dir.mkdir(parents=True, exist_ok=True)
+            out = open(config.console_dir / f"{service}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        return SimpleSpanProcessor(ConsoleSpanExporter(out=out, formatter=lambda s: s.to_json(indent=None) + "\n"))
+    try:
+        if config.exporter == "otlp-grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[no-redef]
+    except ImportError:
+        raise ValueError(
+            f"telemetry.exporter {config.exporter!r} needs the opentelemetry-exporter-otlp package "
+            "(pip install 'tandem-serve[otlp]')"
+        ) from None
+    return BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint) if config.endpoint else OTLPSpanExporter())
