@@ -21,10 +21,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.metrics import Gauge
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -62,6 +65,28 @@ class WorkerActor:
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
         self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
         ray.get_actor(CONTROLLER, namespace=namespace).register.remote(name, role, self.address)
+        threading.Thread(target=self._mirror_metrics, args=(name, role), daemon=True).start()
+
+    def _mirror_metrics(self, name: str, role: str, interval_s: float = 2.0) -> None:
+        """The worker's load gauges, also through Ray's metrics (the Ray dashboard shows them)."""
+        tags = ("worker", "role")
+        gauges = {
+            "kv_cache_usage": Gauge("tandem_kv_cache_usage", "Share of KV blocks in use.", tags),
+            "running_seqs": Gauge("tandem_running_seqs", "Sequences in the running batch.", tags),
+            "waiting_seqs": Gauge("tandem_waiting_seqs", "Sequences waiting.", tags),
+            "queued_prompt_tokens": Gauge("tandem_queued_prompt_tokens", "Prompt tokens waiting.", tags),
+        }
+        while True:
+            load = self.worker.load()
+            values = {
+                "kv_cache_usage": 1 - load.free_kv_blocks / max(load.total_kv_blocks, 1),
+                "running_seqs": load.running_seqs,
+                "waiting_seqs": load.waiting_seqs,
+                "queued_prompt_tokens": load.queued_prompt_tokens,
+            }
+            for key, gauge in gauges.items():
+                gauge.set(values[key], tags={"worker": name, "role": role})
+            time.sleep(interval_s)
 
     def get_address(self) -> str:
         return self.address

@@ -6,6 +6,7 @@ tandem serve --config FILE [--prompt TEXT]    start the cluster on Ray (a local 
 tandem generate PROMPT [--target HOST:PORT]   stream a completion from a running cluster
 tandem generate --model DIR --prompt TEXT     complete a prompt in this process, no cluster
 tandem status [--target HOST:PORT]            pools, workers, KV use, queues, placement counters
+tandem bench [--target HOST:PORT | --config FILE] [--rate R]   serving metrics (TTFT, TPOT, ITL, goodput)
 tandem model init --preset tiny --out DIR     write a random-weight model folder
 tandem config check FILE                      validate a cluster config file
 
@@ -66,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default: 120)")
     add_generate_options(gen)
     gen.set_defaults(run=_generate)
+
+    bench = commands.add_parser("bench", help="drive a running cluster and report serving metrics")
+    from router import bench as bench_module
+
+    bench_module.add_arguments(bench)
+    bench.set_defaults(run=lambda a: bench_module.run(a) and 0)
 
     status = commands.add_parser("status", help="show pools, workers, KV use, queues and placement counters")
     status.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
