@@ -110,6 +110,19 @@ class AutoscalingConfig(_Part):
         default=300.0, ge=0, description="How long a signal must ask for fewer before scaling down."
     )
     max_step: int = Field(default=1, ge=1, description="Most replicas added or removed in one decision.")
+    interval_s: float = Field(default=2.0, gt=0, description="How often the pool controller reads signals and decides.")
+    target_queued_prompt_tokens: int = Field(
+        default=4096, gt=0, description="Prefill pools: queued prompt tokens per worker the pool aims for."
+    )
+    target_running_seqs: int = Field(
+        default=32, gt=0, description="Decode pools: running sequences per worker the pool aims for."
+    )
+    target_kv_cache_usage: float = Field(
+        default=0.7, gt=0, le=1, description="Decode pools: share of each worker's KV cache in use the pool aims for."
+    )
+    drain_grace_s: float = Field(
+        default=2.0, ge=0, description="A draining worker is stopped no sooner than this after it stopped taking work."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:
