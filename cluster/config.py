@@ -139,8 +139,9 @@ class PoolConfig(_Part):
         default=None,
         description='Custom Ray resource each worker needs (e.g. "prefill"), marking the node group it runs on.',
     )
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        default="SPREAD", description="Ray placement-group strategy for the pool's workers."
+    placement_strategy: Literal["PACK", "SPREAD"] = Field(
+        default="SPREAD",
+        description="How Ray places the pool's workers: SPREAD across nodes, or PACK them onto as few as fit.",
     )
     autoscaling: AutoscalingConfig = Field(
         default_factory=AutoscalingConfig, description="Bounds and pace of the pool's autoscaler."

@@ -4,13 +4,17 @@ Lifecycle of a cluster (`start(config)` -> `RayCluster`):
 
     connect     join the Ray cluster at `config.ray_address`, or start a local one (the embedded
                 default), in the `tandem` namespace
-    controller  one detached-from-nothing actor, `controller`, holding the worker registry
-    pools       per pool, a placement group of `replicas` bundles shaped by the pool's config (CPUs,
-                GPUs, an optional custom resource naming its node group) with the pool's strategy,
-                and one `WorkerActor` per bundle, named `prefill-0`, `decode-1`, ...; each builds
-                its worker, starts its gRPC server and registers its address with the controller
+    registry    one actor, `controller`, holding the worker registry the router reads
+    pools       one `PoolActor` per pool (`pool-prefill`, `pool-decode`) running that pool's
+                `cluster.pool_controller.PoolController`: it starts the pool's workers, then every
+                `autoscaling.interval_s` reads their load, decides, starts or drains workers
+    workers     one `WorkerActor` each, named `prefill-0`, `decode-1`, ..., asking for its pool's
+                shape (CPUs, GPUs, an optional custom resource naming its node group) and placed
+                by the pool's strategy; a worker that Ray cannot place yet is pending resource
+                demand, which Ray's autoscaler (KubeRay on Kubernetes) answers with a node of the
+                right group. Each builds its worker, serves gRPC and registers its address.
     restart     Ray restarts a worker actor that dies; it registers its new address again
-    shutdown    kill the actors, remove the placement groups, disconnect (stopping a local Ray)
+    shutdown    stop the pools (and their workers), the registry, and a local Ray
 
 Worker code is loaded by module name (`ROLES`): `cluster` does not import the worker packages,
 the actors run them.
@@ -20,18 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import ray
-from ray.util.metrics import Gauge
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.metrics import Counter, Gauge
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
-from cluster.config import ClusterConfig, PoolConfig, dump_config
+from cluster.config import ClusterConfig, dump_config
+from cluster.pool_controller import PoolController
 
 NAMESPACE = "tandem"
 CONTROLLER = "controller"
@@ -94,6 +100,10 @@ class WorkerActor:
     def load(self) -> bytes:
         return self.worker.load().SerializeToString()
 
+    def drain(self) -> int:
+        """Stops taking new work; returns the sequences and transfers still on this worker."""
+        return self.worker.Drain(worker_pb2.DrainRequest(), None).remaining_seqs
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -101,13 +111,121 @@ class WorkerActor:
         self.worker.stop()
 
 
+class _RayWorkers:
+    """`cluster.pool_controller.WorkerOps` over Ray actors."""
+
+    def __init__(self, role: str, config: ClusterConfig, namespace: str, host: str) -> None:
+        self.role, self.config, self.namespace, self.host = role, config, namespace, host
+        self.pool = config.decode if role == "decode" else config.prefill
+        self.actors: dict[str, Any] = {}
+        self.router: str | None = None
+        self._config_json = dump_config(config)
+
+    def start(self, name: str) -> None:
+        pool = self.pool
+        self.actors[name] = WorkerActor.options(
+            name=name,
+            namespace=self.namespace,
+            num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus,
+            resources={pool.resource: 1} if pool.resource else None,
+            scheduling_strategy="SPREAD" if pool.placement_strategy == "SPREAD" else "DEFAULT",
+        ).remote(self.role, name, self._config_json, self.host, self.namespace)
+
+    def load(self, name: str) -> worker_pb2.WorkerLoad | None:
+        try:
+            return worker_pb2.WorkerLoad.FromString(ray.get(self.actors[name].load.remote(), timeout=5))
+        except Exception:  # starting, pending placement, or restarting
+            return None
+
+    def drain(self, name: str) -> int:
+        return int(ray.get(self.actors[name].drain.remote(), timeout=30))
+
+    def stop(self, name: str) -> None:
+        actor = self.actors.pop(name, None)
+        if actor is None:
+            return
+        with contextlib.suppress(Exception):  # a worker that is already gone has nothing to stop
+            ray.get(actor.stop.remote(), timeout=10)
+        ray.kill(actor, no_restart=True)
+        ray.get_actor(CONTROLLER, namespace=self.namespace).unregister.remote(name)
+
+    def latency(self) -> tuple[float | None, float | None]:
+        if self.router is None:
+            return None, None
+        try:
+            with grpc.insecure_channel(self.router) as channel:
+                status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=2)
+        except grpc.RpcError:
+            return None, None
+        ttft = status.ttft_p90_seconds if status.HasField("ttft_p90_seconds") else None
+        tpot = status.tpot_p90_seconds if status.HasField("tpot_p90_seconds") else None
+        return ttft, tpot
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class PoolActor:
+    """One pool's controller: starts its workers, then reconciles every `autoscaling.interval_s`."""
+
+    def __init__(self, role: str, config_json: str, namespace: str, host: str) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        config = ClusterConfig.model_validate_json(config_json)
+        self.ops = _RayWorkers(role, config, namespace, host)
+        pool = config.decode if role == "decode" else config.prefill
+        self.controller = PoolController(role, pool, config.slo, self.ops)
+        self.interval_s = pool.autoscaling.interval_s
+        self._decisions = Counter(
+            "tandem_scaling_decisions", "Pool size changes, by pool and direction.", ("pool", "direction")
+        )
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self, timeout_s: float) -> list[str]:
+        with self._lock:
+            names = self.controller.start()
+        ray.get([self.ops.actors[n].get_address.remote() for n in names], timeout=timeout_s)
+        threading.Thread(target=self._loop, daemon=True).start()
+        return names
+
+    def set_router(self, address: str) -> None:
+        self.ops.router = address
+
+    def scale(self, replicas: int | None) -> bytes:
+        with self._lock:
+            self.controller.set_override(replicas)
+            self.controller.tick()
+            return self.controller.status().SerializeToString()
+
+    def drain(self, name: str) -> None:
+        with self._lock:
+            self.controller.begin_drain(name)
+
+    def status(self) -> bytes:
+        with self._lock:
+            return self.controller.status().SerializeToString()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self.controller.stop_all()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                before = (self.controller.scale_ups, self.controller.scale_downs)
+                self.controller.tick()
+                after = (self.controller.scale_ups, self.controller.scale_downs)
+            for direction, b, a in (("up", before[0], after[0]), ("down", before[1], after[1])):
+                if a > b:
+                    self._decisions.inc(a - b, tags={"pool": self.controller.role, "direction": direction})
+
+
 @dataclass
 class RayCluster:
     config: ClusterConfig
     namespace: str
     controller: Any
-    actors: dict[str, Any] = field(default_factory=dict)
-    groups: list[PlacementGroup] = field(default_factory=list)
+    pools: dict[str, Any] = field(default_factory=dict)
     started_ray: bool = False
 
     def discover(self) -> dict[str, str]:
@@ -117,24 +235,43 @@ class RayCluster:
     def roles(self) -> dict[str, str]:
         return {name: role for name, (role, _) in ray.get(self.controller.workers.remote()).items()}
 
+    def set_router(self, address: str) -> None:
+        """Lets the pool controllers read the router's TTFT and TPOT."""
+        ray.get([pool.set_router.remote(address) for pool in self.pools.values()])
+
+    def scale(self, role: str, replicas: int | None) -> worker_pb2.PoolStatus:
+        """Holds a pool at `replicas` workers (None gives it back to its autoscaler)."""
+        if role not in self.pools:
+            raise ValueError(f"no pool {role!r} (pools: {', '.join(sorted(self.pools))})")
+        return worker_pb2.PoolStatus.FromString(ray.get(self.pools[role].scale.remote(replicas)))
+
+    def pool_status(self) -> list[worker_pb2.PoolStatus]:
+        return [worker_pb2.PoolStatus.FromString(ray.get(p.status.remote())) for p in self.pools.values()]
+
+    def drain(self, name: str) -> None:
+        role = name.rsplit("-", 1)[0]
+        ray.get(self.pools[role].drain.remote(name))
+
+    def actor(self, name: str) -> Any:
+        return ray.get_actor(name, namespace=self.namespace)
+
     def kill_worker(self, name: str) -> None:
         """Kills a worker's process as a crash would (Ray restarts it)."""
-        ray.kill(self.actors[name], no_restart=False)
+        ray.kill(self.actor(name), no_restart=False)
 
     def shutdown(self) -> None:
-        for actor in reversed(self.actors.values()):  # prefill first: its KV channels close before decode stops
-            with contextlib.suppress(Exception):  # a worker that is already gone has nothing to stop
-                ray.get(actor.stop.remote(), timeout=10)
-            ray.kill(actor, no_restart=True)
-        for group in self.groups:
-            remove_placement_group(group)
+        for role in ("prefill", "decode"):  # prefill first: its KV channels close before decode stops
+            if role in self.pools:
+                with contextlib.suppress(Exception):
+                    ray.get(self.pools[role].stop.remote(), timeout=60)
+                ray.kill(self.pools[role], no_restart=True)
         ray.kill(self.controller, no_restart=True)
         if self.started_ray:
             ray.shutdown()
 
 
 def start(config: ClusterConfig, namespace: str = NAMESPACE, timeout_s: float = 300.0, **ray_init: Any) -> RayCluster:
-    """Connects to (or starts) Ray and brings up the controller and both pools in `namespace`
+    """Connects to (or starts) Ray and brings up the registry and both pools in `namespace`
     (one cluster per namespace)."""
     started = not ray.is_initialized()
     if started:
@@ -143,35 +280,13 @@ def start(config: ClusterConfig, namespace: str = NAMESPACE, timeout_s: float = 
     cluster = RayCluster(config, namespace, controller, started_ray=started)
     host = "127.0.0.1" if config.ray_address is None else "node"
     try:
-        for role, pool in (("decode", config.decode), ("prefill", config.prefill)):
-            _start_pool(cluster, role, pool, host, timeout_s)
-        ray.get([a.get_address.remote() for a in cluster.actors.values()], timeout=timeout_s)
+        config_json = dump_config(config)
+        for role in ("decode", "prefill"):
+            cluster.pools[role] = PoolActor.options(name=f"pool-{role}", namespace=namespace).remote(
+                role, config_json, namespace, host
+            )
+        ray.get([pool.start.remote(timeout_s) for pool in cluster.pools.values()], timeout=timeout_s)
     except Exception:
         cluster.shutdown()
         raise
     return cluster
-
-
-def _start_pool(cluster: RayCluster, role: str, pool: PoolConfig, host: str, timeout_s: float) -> None:
-    if pool.replicas == 0:
-        return
-    bundle: dict[str, float] = {"CPU": pool.num_cpus}
-    if pool.num_gpus:
-        bundle["GPU"] = pool.num_gpus
-    if pool.resource:
-        bundle[pool.resource] = 1
-    group = placement_group([dict(bundle) for _ in range(pool.replicas)], strategy=pool.placement_strategy)
-    cluster.groups.append(group)
-    ray.get(group.ready(), timeout=timeout_s)
-    config_json = dump_config(cluster.config)
-    for i in range(pool.replicas):
-        name = f"{role}-{i}"
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-        cluster.actors[name] = WorkerActor.options(
-            name=name,
-            namespace=cluster.namespace,
-            num_cpus=pool.num_cpus,
-            num_gpus=pool.num_gpus,
-            resources={pool.resource: 1} if pool.resource else None,
-            scheduling_strategy=strategy,
-        ).remote(role, name, config_json, host, cluster.namespace)

@@ -91,17 +91,18 @@ def goodput(timings: Sequence[RequestTiming], targets: Targets, duration_s: floa
 
 
 class SLOWindow:
-    """The share of requests finished in the last `window_s` seconds that met their targets."""
+    """Requests finished in the last `window_s` seconds: the share that met their targets, and
+    their TTFT and TPOT percentiles (the autoscalers' latency signals)."""
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self.clock = clock
-        self._events: collections.deque[tuple[float, bool]] = collections.deque()
+        self._events: collections.deque[tuple[float, bool, float | None, float | None]] = collections.deque()
         self._lock = threading.Lock()
 
-    def record(self, met: bool) -> None:
+    def record(self, met: bool, ttft: float | None = None, tpot: float | None = None) -> None:
         with self._lock:
-            self._events.append((self.clock(), met))
+            self._events.append((self.clock(), met, ttft, tpot))
             self._trim()
 
     def attainment(self) -> float | None:
@@ -110,7 +111,15 @@ class SLOWindow:
             self._trim()
             if not self._events:
                 return None
-            return sum(1 for _, met in self._events if met) / len(self._events)
+            return sum(1 for _, met, _, _ in self._events if met) / len(self._events)
+
+    def latency(self, q: float = 90) -> tuple[float | None, float | None]:
+        """The q-th percentile TTFT and TPOT in the window (None where there is none)."""
+        with self._lock:
+            self._trim()
+            ttfts = [e[2] for e in self._events if e[2] is not None]
+            tpots = [e[3] for e in self._events if e[3] is not None]
+        return (percentile(ttfts, q) if ttfts else None, percentile(tpots, q) if tpots else None)
 
     def _trim(self) -> None:
         cutoff = self.clock() - self.window_s

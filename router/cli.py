@@ -7,6 +7,7 @@ tandem generate PROMPT [--target HOST:PORT]   stream a completion from a running
 tandem generate --model DIR --prompt TEXT     complete a prompt in this process, no cluster
 tandem status [--target HOST:PORT]            pools, workers, KV use, queues, placement counters
 tandem bench [--target HOST:PORT | --config FILE] [--rate R]   serving metrics (TTFT, TPOT, ITL, goodput)
+tandem scale POOL N|auto [--target HOST:PORT] hold a pool at N workers by hand / hand it back
 tandem model init --preset tiny --out DIR     write a random-weight model folder
 tandem config check FILE                      validate a cluster config file
 
@@ -74,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     bench_module.add_arguments(bench)
     bench.set_defaults(run=lambda a: bench_module.run(a) and 0)
 
+    scale = commands.add_parser("scale", help="hold a pool at N workers by hand, or give it back to its autoscaler")
+    scale.add_argument("pool", choices=["prefill", "decode"], help="the pool")
+    scale.add_argument("replicas", help="workers to hold the pool at, or 'auto' to clear the override")
+    scale.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
+    scale.set_defaults(run=_scale)
+
     status = commands.add_parser("status", help="show pools, workers, KV use, queues and placement counters")
     status.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
     status.set_defaults(run=_status)
@@ -91,9 +98,10 @@ def _serve(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
-    router = from_config(config, cluster.discover)
+    router = from_config(config, cluster.discover, cluster)
     try:
         address = router.start(f"{config.router.host}:{port}")
+        cluster.set_router(address)
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
         if args.prompt is not None:
@@ -137,6 +145,25 @@ def _stream(target: str, prompt, timeout: float = 120.0, **sampling) -> None:  #
         print(f"\n[finish: {reason}]", file=sys.stderr)
 
 
+def _scale(args: argparse.Namespace) -> int:
+    request = worker_pb2.ScaleRequest(pool=args.pool)
+    if args.replicas != "auto":
+        request.replicas = int(args.replicas)
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            pool = worker_pb2_grpc.AdminStub(channel).Scale(request, timeout=60).pool
+        except grpc.RpcError as e:
+            print(f"tandem: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    held = (
+        f"held at {pool.override} by hand until `tandem scale {pool.role} auto`"
+        if pool.HasField("override")
+        else "autoscaled"
+    )
+    print(f"{pool.role} pool: target {pool.target} ({held}); serving {', '.join(pool.workers) or 'none'}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     channel = grpc.insecure_channel(args.target)
     try:
@@ -165,6 +192,14 @@ def _status(args: argparse.Namespace) -> int:
         )
     if status.decisions:
         print("placement: " + ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())))
+    for pool in status.pools:
+        held = f", held at {pool.override} by hand" if pool.HasField("override") else ""
+        draining = f", draining {', '.join(pool.draining)}" if pool.draining else ""
+        print(
+            f"{pool.role} pool: {len(pool.workers)} serving, target {pool.target} "
+            f"[{pool.min_replicas}, {pool.max_replicas}]{held}{draining}; {pool.reason} "
+            f"(up {pool.scale_ups}, down {pool.scale_downs})"
+        )
     return 0
 
 

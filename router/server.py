@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from opentelemetry import context as otel_context
@@ -112,9 +113,15 @@ class RouterSettings:
 
 class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
     def __init__(
-        self, settings: RouterSettings, tokenizer: PromptTokenizer, pool: WorkerPool, telemetry: Telemetry
+        self,
+        settings: RouterSettings,
+        tokenizer: PromptTokenizer,
+        pool: WorkerPool,
+        telemetry: Telemetry,
+        pools: PoolAdmin | None = None,
     ) -> None:
         self.settings = settings
+        self.pools = pools
         self.telemetry = telemetry
         self.slo = SLOWindow(settings.slo.window_s)
         self.tokenizer = tokenizer
@@ -197,11 +204,22 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
 
     # -- tandem.v1.Admin ---------------------------------------------------------------------------
 
+    def Scale(self, request: worker_pb2.ScaleRequest, context: grpc.ServicerContext) -> worker_pb2.ScaleResult:
+        if self.pools is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no pool controllers to scale")
+        replicas = request.replicas if request.HasField("replicas") else None
+        try:
+            return worker_pb2.ScaleResult(pool=self.pools.scale(request.pool, replicas))  # type: ignore[union-attr]
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     def GetStatus(
         self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext
     ) -> worker_pb2.ClusterStatus:
         workers, loads = self.pool.workers(), self.pool.loads()
-        return worker_pb2.ClusterStatus(
+        ttft, tpot = self.slo.latency()
+        status = worker_pb2.ClusterStatus(
+            pools=self.pools.pool_status() if self.pools is not None else [],
             model=self.settings.model_name,
             workers=[
                 worker_pb2.WorkerStatus(name=n, address=w.address, healthy=n in loads, load=loads.get(n))
@@ -212,6 +230,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             slo_attainment=self.slo.attainment(),
             metrics_address=self.telemetry.metrics.address or "",
         )
+        if ttft is not None:
+            status.ttft_p90_seconds = ttft
+        if tpot is not None:
+            status.tpot_p90_seconds = tpot
+        return status
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -318,7 +341,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         for gap in timing.itl:
             m.itl.observe(gap)
         met = targets.met(timing.ttft, timing.tpot)
-        self.slo.record(met)
+        self.slo.record(met, timing.ttft, timing.tpot)
         attainment = self.slo.attainment()
         if attainment is not None:
             m.slo_attainment.set(attainment)
@@ -373,7 +396,17 @@ def _describe(choice: Choice) -> str:
     return choice.reason if choice.prefill is None else f"{choice.reason}:{choice.prefill}"
 
 
-def from_config(config: ClusterConfig, discover: Callable[[], dict[str, str]]) -> Router:
+class PoolAdmin(Protocol):
+    """The pool controllers, as the router's Admin service sees them (`cluster.ray_cluster.RayCluster`)."""
+
+    def scale(self, role: str, replicas: int | None) -> worker_pb2.PoolStatus: ...
+
+    def pool_status(self) -> list[worker_pb2.PoolStatus]: ...
+
+
+def from_config(
+    config: ClusterConfig, discover: Callable[[], dict[str, str]], pools: PoolAdmin | None = None
+) -> Router:
     """A router for the config's model (its tokenizer and config.json; no weights), not started."""
     m = config.model
     arch = ModelArch.from_folder(m.path)
@@ -392,4 +425,4 @@ def from_config(config: ClusterConfig, discover: Callable[[], dict[str, str]]) -
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         metrics_port=config.telemetry.metrics_port,
     )
-    return Router(settings, tokenizer, WorkerPool(discover), Telemetry(config.telemetry, "tandem-router"))
+    return Router(settings, tokenizer, WorkerPool(discover), Telemetry(config.telemetry, "tandem-router"), pools)

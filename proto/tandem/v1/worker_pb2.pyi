@@ -89,12 +89,50 @@ class DrainResult(_message.Message):
     remaining_seqs: int
     def __init__(self, remaining_seqs: _Optional[int] = ...) -> None: ...
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("pool", "replicas")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    replicas: int
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleResult(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolStatus
+    def __init__(self, pool: _Optional[_Union[PoolStatus, _Mapping]] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("role", "target", "workers", "draining", "reason", "override", "min_replicas", "max_replicas", "scale_ups", "scale_downs")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_UPS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DOWNS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    target: int
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    override: int
+    min_replicas: int
+    max_replicas: int
+    scale_ups: int
+    scale_downs: int
+    def __init__(self, role: _Optional[str] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., override: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address")
+    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address", "pools", "ttft_p90_seconds", "tpot_p90_seconds")
     class DecisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,13 +146,19 @@ class ClusterStatus(_message.Message):
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     SLO_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     decisions: _containers.ScalarMap[str, int]
     requests_in_flight: int
     slo_attainment: float
     metrics_address: str
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    ttft_p90_seconds: float
+    tpot_p90_seconds: float
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., ttft_p90_seconds: _Optional[float] = ..., tpot_p90_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("name", "address", "healthy", "load")

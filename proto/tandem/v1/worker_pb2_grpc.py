@@ -245,6 +245,11 @@ class AdminStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/tandem.v1.Admin/Scale',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ScaleResult.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -257,6 +262,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Sets a pool's size by hand; the pool's autoscaler keeps it there until the override is cleared.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +276,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ScaleRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ScaleResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -294,6 +311,33 @@ class Admin:
             '/tandem.v1.Admin/GetStatus',
             tandem_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/Scale',
+            tandem_dot_v1_dot_worker__pb2.ScaleRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ScaleResult.FromString,
             options,
             channel_credentials,
             insecure,
