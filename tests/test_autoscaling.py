@@ -77,3 +77,83 @@ def test_manual_override_wins_until_cleared():
     cleared = PolicyState(state.target)
     _, targets = run("decode", busy, 30, cleared)
     assert targets[-1] > 1
+
+
+class FakeWorkers:
+    """`WorkerOps` over dicts: what remains on each worker is set by the test."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+        self.draining: set[str] = set()
+        self.stopped: list[str] = []
+
+    def start(self, name):
+        self.running[name] = 0
+
+    def load(self, name):
+        from tandem.v1 import worker_pb2
+
+        return worker_pb2.WorkerLoad(
+            running_seqs=self.running[name], total_kv_blocks=100, free_kv_blocks=100, draining=name in self.draining
+        )
+
+    def drain(self, name):
+        self.draining.add(name)
+        return self.running[name]
+
+    def stop(self, name):
+        self.stopped.append(name)
+        del self.running[name]
+
+    def latency(self):
+        return None, None
+
+
+def controller(replicas=2, **autoscaling):
+    from cluster.config import PoolConfig, SLOConfig
+    from cluster.pool_controller import PoolController
+
+    bounds = dict(min_replicas=1, max_replicas=3, upscale_delay_s=0, downscale_delay_s=0, drain_grace_s=2)
+    pool = PoolConfig(replicas=replicas, autoscaling={**bounds, **autoscaling})
+    ops = FakeWorkers()
+    c = PoolController("decode", pool, SLOConfig(), ops)
+    c.start()
+    return c, ops
+
+
+def test_scale_down_drains_the_least_loaded_and_stops_it_only_when_empty():
+    c, ops = controller()
+    ops.running.update({"decode-0": 3, "decode-1": 1})
+    c.set_override(1)
+    c.tick(now=0.0)
+    assert c.serving == ["decode-0"] and set(c.draining) == {"decode-1"}
+    assert "decode-1" in ops.draining and ops.stopped == []
+    c.tick(now=5.0)
+    assert ops.stopped == [], "a worker with a sequence left is not stopped"
+    ops.running["decode-1"] = 0
+    c.tick(now=5.5)
+    assert ops.stopped == ["decode-1"] and not c.draining
+    status = c.status()
+    assert status.target == 1 and status.override == 1 and list(status.workers) == ["decode-0"]
+
+
+def test_a_drained_worker_waits_out_the_grace_period():
+    c, ops = controller()
+    c.set_override(1)
+    c.tick(now=10.0)
+    c.tick(now=11.0)
+    assert ops.stopped == [], "requests placed just before the drain may still arrive"
+    c.tick(now=12.5)
+    assert len(ops.stopped) == 1
+
+
+def test_scale_up_starts_new_names_and_autoscaling_resumes_after_the_override():
+    c, ops = controller(replicas=1, target_running_seqs=2)
+    ops.running["decode-0"] = 10
+    c.set_override(1)
+    c.tick(now=0.0)
+    assert c.serving == ["decode-0"]
+    c.set_override(None)
+    c.tick(now=1.0)
+    assert c.serving == ["decode-0", "decode-1"] and c.status().scale_ups == 1
+    assert "scale up: running sequences" in c.status().reason
