@@ -270,15 +270,22 @@ class RayCluster:
             ray.shutdown()
 
 
-def start(config: ClusterConfig, namespace: str = NAMESPACE, timeout_s: float = 300.0, **ray_init: Any) -> RayCluster:
+def start(
+    config: ClusterConfig,
+    namespace: str = NAMESPACE,
+    timeout_s: float = 300.0,
+    bind_host: str | None = None,
+    **ray_init: Any,
+) -> RayCluster:
     """Connects to (or starts) Ray and brings up the registry and both pools in `namespace`
-    (one cluster per namespace)."""
+    (one cluster per namespace). Workers serve on `bind_host`; by default loopback for a local
+    Ray and their node's address on a multi-node cluster."""
     started = not ray.is_initialized()
     if started:
         ray.init(address=config.ray_address, namespace=namespace, **ray_init)
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
     cluster = RayCluster(config, namespace, controller, started_ray=started)
-    host = "127.0.0.1" if config.ray_address is None else "node"
+    host = bind_host or ("127.0.0.1" if config.ray_address is None else "node")
     try:
         config_json = dump_config(config)
         for role in ("decode", "prefill"):

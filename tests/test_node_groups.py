@@ -1,0 +1,126 @@
+"""Placement across node groups on one machine: Ray's fake multi-node autoscaling cluster with a
+`prefill` and a `decode` node type and no worker nodes at start. Tandem's pending workers make
+Ray add a node of each type; every prefill worker lands on a `prefill` node and every decode
+worker on a `decode` node; scaling the decode pool up adds `decode` nodes only."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import AutoscalingCluster
+from ray.util.state import list_actors, list_nodes
+
+from cluster import ray_cluster
+from cluster.config import parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "tandem-demo-code"
+
+pytestmark = pytest.mark.slow
+
+
+class NodeGroups(AutoscalingCluster):
+    """Ray's fake multi-node autoscaling cluster, with its base config written here (the wheel does
+    not ship the example file the harness reads)."""
+
+    def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **config_kwargs):
+        return {
+            "cluster_name": "tandem-node-groups",
+            "max_workers": 8,
+            "provider": {
+                "type": "fake_multinode",
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+            },
+            "available_node_types": {
+                **worker_node_types,
+                "ray.head.default": {"resources": head_resources, "node_config": {}, "max_workers": 0},
+            },
+            "head_node_type": "ray.head.default",
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": 5,
+            **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands")},
+            **{k: [] for k in ("worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")},
+            "auth": {},
+            "docker": {},
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False,
+            "rsync_exclude": [],
+            "rsync_filter": [],
+            **config_kwargs,
+        }
+
+
+def node_type(resources: dict) -> str:
+    return "prefill" if "prefill" in resources else "decode" if "decode" in resources else "head"
+
+
+@pytest.fixture(scope="module")
+def autoscaling_ray():
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # the `ray` command
+    fake = NodeGroups(
+        head_resources={"CPU": 1},
+        worker_node_types={
+            "prefill_group": {
+                "resources": {"CPU": 1, "prefill": 1},
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": 2,
+            },
+            "decode_group": {
+                "resources": {"CPU": 1, "decode": 1},
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": 3,
+            },
+        },
+    )
+    fake.start()
+    ray.init("auto", namespace="tandem-node-groups", log_to_driver=False)
+    yield
+    ray.shutdown()
+    fake.shutdown()
+
+
+def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
+    assert {node_type(n.resources_total) for n in list_nodes()} == {"head"}, "no worker nodes at start"
+    config = parse_config(
+        {
+            "model": {"path": str(DEMO), "dtype": "float32"},
+            "cache": {"num_blocks": 64},
+            "ray_address": "auto",
+            "prefill": {"num_cpus": 1, "resource": "prefill"},
+            "decode": {"num_cpus": 1, "resource": "decode", "autoscaling": {"min_replicas": 1, "max_replicas": 2}},
+        }
+    )
+    cluster = ray_cluster.start(config, namespace="tandem-node-groups", timeout_s=240, bind_host="127.0.0.1")
+    try:
+
+        def placement() -> dict[str, str]:
+            nodes = {n.node_id: node_type(n.resources_total) for n in list_nodes() if n.state == "ALIVE"}
+            return {
+                a.name: nodes.get(a.node_id, "?")
+                for a in list_actors(filters=[("state", "=", "ALIVE")])
+                if a.name.startswith(("prefill-", "decode-"))
+            }
+
+        assert placement() == {"prefill-0": "prefill", "decode-0": "decode"}
+        alive = [node_type(n.resources_total) for n in list_nodes() if n.state == "ALIVE"]
+        assert sorted(alive) == ["decode", "head", "prefill"], "Ray added one node of each group"
+
+        cluster.scale("decode", 2)
+        deadline = time.monotonic() + 240
+        while len(cluster.discover()) < 3 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert placement() == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+        alive = [node_type(n.resources_total) for n in list_nodes() if n.state == "ALIVE"]
+        assert alive.count("decode") == 2 and alive.count("prefill") == 1, "scaling decode added decode nodes only"
+    finally:
+        cluster.shutdown()
