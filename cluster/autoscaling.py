@@ -5,8 +5,9 @@
 Each signal asks for `ceil(workers * value / target)` workers; the pool wants the largest of them,
 within `[min_replicas, max_replicas]`. Prefill signals: queued prompt tokens per worker, and TTFT
 against its SLO. Decode signals: running sequences per worker, KV cache use, and TPOT against its
-SLO. A change happens only once the pool has wanted it continuously for `upscale_delay_s` (more)
-or `downscale_delay_s` (fewer), and by at most `max_step` workers; a want that wavers resets its
+SLO. Latency counts only while the pool has work (an idle pool's recent latency is stale). A
+change happens only once the pool has wanted it continuously for `upscale_delay_s` (more) or
+`downscale_delay_s` (fewer), and by at most `max_step` workers; a want that wavers resets its
 clock, so noise does not flap the pool. A manual override (`tandem scale`) replaces the policy
 until it is cleared.
 """
@@ -54,7 +55,8 @@ def wanted(role: str, config: AutoscalingConfig, s: Signals) -> tuple[int, str]:
             ("running sequences", s.running_seqs / n / config.target_running_seqs),
             ("KV cache use", s.kv_cache_usage / config.target_kv_cache_usage),
         ]
-    if s.latency_s is not None and s.latency_target_s:
+    idle = s.queued_prompt_tokens == 0 and s.running_seqs == 0  # recent latency says nothing about an idle pool
+    if s.latency_s is not None and s.latency_target_s and not idle:
         name = "TTFT" if role == "prefill" else "TPOT"
         loads.append((f"{name} against its SLO", s.latency_s / s.latency_target_s))
     name, load = max(loads, key=lambda item: item[1])

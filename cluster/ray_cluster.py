@@ -119,6 +119,7 @@ class _RayWorkers:
         self.pool = config.decode if role == "decode" else config.prefill
         self.actors: dict[str, Any] = {}
         self.router: str | None = None
+        self._latency: tuple[float | None, float | None] = (None, None)
         self._config_json = dump_config(config)
 
     def start(self, name: str) -> None:
@@ -151,16 +152,22 @@ class _RayWorkers:
         ray.get_actor(CONTROLLER, namespace=self.namespace).unregister.remote(name)
 
     def latency(self) -> tuple[float | None, float | None]:
+        return self._latency
+
+    def refresh_latency(self) -> None:
+        """Reads the router's recent TTFT and TPOT (outside the pool's lock: the router's status
+        asks this pool for its own)."""
         if self.router is None:
-            return None, None
+            return
         try:
             with grpc.insecure_channel(self.router) as channel:
                 status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=2)
         except grpc.RpcError:
-            return None, None
+            self._latency = (None, None)
+            return
         ttft = status.ttft_p90_seconds if status.HasField("ttft_p90_seconds") else None
         tpot = status.tpot_p90_seconds if status.HasField("tpot_p90_seconds") else None
-        return ttft, tpot
+        self._latency = (ttft, tpot)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -211,6 +218,7 @@ class PoolActor:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            self.ops.refresh_latency()
             with self._lock:
                 before = (self.controller.scale_ups, self.controller.scale_downs)
                 self.controller.tick()

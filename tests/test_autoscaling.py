@@ -31,8 +31,9 @@ def test_each_pool_reads_its_own_signals():
     assert wanted("decode", CONFIG, Signals(2, running_seqs=40))[0] == 5
     assert wanted("decode", CONFIG, Signals(2, kv_cache_usage=0.75))[0] == 3
     assert wanted("decode", CONFIG, Signals(1, queued_prompt_tokens=10**6))[0] == 0
-    slow = Signals(2, latency_s=0.3, latency_target_s=0.1)
+    slow = Signals(2, running_seqs=2, latency_s=0.3, latency_target_s=0.1)
     assert wanted("decode", CONFIG, slow) == (6, "TPOT against its SLO at 300% of target")
+    assert wanted("decode", CONFIG, Signals(2, latency_s=0.3, latency_target_s=0.1))[0] == 0, "idle: latency is stale"
 
 
 def test_sustained_load_scales_up_one_step_per_delay_up_to_the_maximum():

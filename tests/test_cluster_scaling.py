@@ -39,6 +39,8 @@ def config():
             "cache": {"block_size": 16, "num_blocks": 1024},
             "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 256},
             "router": {"local_prefill_max_tokens": 8},
+            # Latency targets this CPU always meets, so each pool scales on its load signals here.
+            "slo": {"ttft_s": 60, "tpot_s": 10},
             "prefill": {"num_cpus": 0.5, "autoscaling": {**SCALING, "target_queued_prompt_tokens": 100}},
             "decode": {"num_cpus": 0.5, "autoscaling": {**SCALING, "target_running_seqs": 3}},
         }
