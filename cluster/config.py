@@ -185,10 +185,18 @@ class TelemetryConfig(_Part):
 
 class AuthConfig(_Part):
     api_keys: tuple[SecretStr, ...] = Field(
-        default=(), description="Keys clients present; empty disables client authentication."
+        default=(), description="Keys clients present; empty (and no api_keys_file) disables client authentication."
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="A file of client keys, one per line (a mounted Kubernetes secret, say)."
+    )
+    capability_ttl_s: float = Field(
+        default=120.0, gt=0, description="How long a router-minted KV-transfer capability stays valid."
     )
     cluster_secret: SecretStr | None = Field(
-        default=None, description="Shared secret on internal channels (router, workers, KV transfer)."
+        default=None,
+        description="Shared secret on internal channels (router, workers, KV transfer); with it, every KV "
+        "transfer must carry a router-minted capability. Unset leaves internal channels open.",
     )
     tls_cert: Path | None = Field(default=None, description="PEM certificate for TLS on the public port.")
     tls_key: Path | None = Field(default=None, description="PEM private key for tls_cert.")

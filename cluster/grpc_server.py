@@ -46,10 +46,14 @@ def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_workers: int = 64,
     extra_options: Sequence[tuple[str, int]] = (),
+    interceptors: Sequence[grpc.ServerInterceptor | None] = (),
 ) -> Server:
-    """Starts a server; `add_services(server)` registers the role's services and returns their full names."""
+    """Starts a server; `add_services(server)` registers the role's services and returns their full names.
+    `interceptors` (None entries skipped) see every call first: authentication."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers), options=[*message_options(max_message_bytes), *extra_options]
+        futures.ThreadPoolExecutor(max_workers),
+        options=[*message_options(max_message_bytes), *extra_options],
+        interceptors=[i for i in interceptors if i is not None],
     )
     names = list(add_services(server))
     checker = health.HealthServicer()

@@ -80,7 +80,7 @@ class CollectiveGroups:
 
     # -- prefill side ------------------------------------------------------------------------------
 
-    def connect(self, target: str, stub) -> _Group:  # type: ignore[no-untyped-def]
+    def connect(self, target: str, stub, metadata=()) -> _Group:  # type: ignore[no-untyped-def]
         """The group with the decode worker at `target`, set up through `stub.JoinGroup` on first use."""
         with self._lock:
             gate = self._connecting.setdefault(target, threading.Lock())
@@ -101,7 +101,7 @@ class CollectiveGroups:
                 timeout_s=self.timeout_s,
             )  # fmt: skip
             try:
-                stub.JoinGroup(request, timeout=self.timeout_s)
+                stub.JoinGroup(request, timeout=self.timeout_s, metadata=metadata)
             except grpc.RpcError as e:
                 raise TransferError(e.code(), f"joining a KV group with {target}: {e.details()}") from None
             builder.join(self.timeout_s)

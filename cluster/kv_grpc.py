@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 
 import grpc
@@ -141,8 +141,10 @@ class GrpcSender:
         timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued: int = 8,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.target = target
+        self.metadata = tuple(metadata)  # the cluster secret, when there is one
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self.max_queued = max_queued
@@ -191,7 +193,7 @@ class _GrpcStream(SendStream):
             request_serializer=functools.partial(serialize, inline=not self.header.group_id),
             response_deserializer=pb.KVTransferResult.FromString,
         )
-        self._call = push.future(self._requests(), timeout=self.sender.timeout_s)
+        self._call = push.future(self._requests(), timeout=self.sender.timeout_s, metadata=self.sender.metadata)
         try:
             return self._call.result().num_blocks
         except (grpc.RpcError, grpc.FutureCancelledError) as e:
@@ -210,13 +212,20 @@ class CollectiveSender(GrpcSender):
     """The `collective` transport's sending end: the `Push` stream carries control, a
     torch.distributed group with the decode worker (`cluster.kv_collective`) carries the tensors."""
 
-    def __init__(self, target: str, groups: CollectiveGroups, timeout_s: float = 30.0, max_queued: int = 8) -> None:
-        super().__init__(target, timeout_s, DEFAULT_MAX_MESSAGE_BYTES, max_queued)
+    def __init__(
+        self,
+        target: str,
+        groups: CollectiveGroups,
+        timeout_s: float = 30.0,
+        max_queued: int = 8,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(target, timeout_s, DEFAULT_MAX_MESSAGE_BYTES, max_queued, metadata)
         self.groups = groups
 
     def open(self, header: KVHeader) -> SendStream:
         try:
-            group = self.groups.connect(self.target, self.stub)
+            group = self.groups.connect(self.target, self.stub, self.metadata)
         except TransferError as e:
             return _FailedStream(header, e)
         tagged = dataclasses.replace(header, group_id=group.group_id, tag=next(group.tags))

@@ -36,6 +36,7 @@ import ray
 from ray.util.metrics import Counter, Gauge
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cluster.auth import api_keys
 from cluster.config import ClusterConfig, dump_config
 from cluster.pool_controller import PoolController
 
@@ -161,7 +162,11 @@ class _RayWorkers:
             return
         try:
             with grpc.insecure_channel(self.router) as channel:
-                status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=2)
+                keys = api_keys(self.config.auth)
+                metadata = [("authorization", f"Bearer {keys[0].decode()}")] if keys else []
+                status = worker_pb2_grpc.AdminStub(channel).GetStatus(
+                    worker_pb2.GetStatusRequest(), timeout=2, metadata=metadata
+                )
         except grpc.RpcError:
             self._latency = (None, None)
             return

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from cluster.auth import verify_capability
 from cluster.kv_transport import TransferState
 from cluster.kv_wire import DTYPE_NAMES, KVChunk, KVHeader, TransferError, verify_chunk
 from decode_worker.engine import Engine
@@ -51,8 +52,10 @@ class KVIntake:
         fingerprint: bytes,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        capability_secret: bytes | None = None,
     ) -> None:
         self.engine = engine
+        self.capability_secret = capability_secret  # set: every transfer needs a router-minted capability
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.clock = clock
@@ -177,6 +180,10 @@ class KVIntake:
     # -- internals ---------------------------------------------------------------------------------
 
     def _check_header(self, header: KVHeader) -> None:
+        if self.capability_secret is not None:
+            verify_capability(
+                self.capability_secret, header.capability, header.request_id, header.num_tokens, self.block_size
+            )
         if header.fingerprint != self.fingerprint:
             raise TransferError(
                 grpc.StatusCode.FAILED_PRECONDITION,

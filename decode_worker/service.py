@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
+from cluster.auth import cluster_secret
 from cluster.config import ClusterConfig, TelemetryConfig
 from cluster.grpc_server import Server, start_server
 from cluster.kv_collective import CollectiveGroups
@@ -68,8 +69,10 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         groups: CollectiveGroups | None = None,
         telemetry: Telemetry | None = None,
+        interceptor: grpc.ServerInterceptor | None = None,
     ) -> None:
         self.engine = engine
+        self.interceptor = interceptor  # the cluster secret, when configured
         self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.intake = intake
         self.worker_id = worker_id
@@ -92,7 +95,9 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             server.add_generic_rpc_handlers((handlers(KVTransferService(self.intake, self.groups)),))
             return ["tandem.v1.Worker", "tandem.v1.KVTransfer"]
 
-        self.server = start_server(add, address, extra_options=channel_options(256 << 20)[2:])
+        self.server = start_server(
+            add, address, extra_options=channel_options(256 << 20)[2:], interceptors=[self.interceptor]
+        )
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self.intake.start()
         self._loop.start()
@@ -267,6 +272,11 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
         model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed
     )
     t = config.transfer
-    intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=t.timeout_s)
+    secret = config.auth.cluster_secret
+    intake = KVIntake(
+        engine, model_fingerprint(model, model.arch), timeout_s=t.timeout_s,
+        capability_secret=secret.get_secret_value().encode() if secret else None,
+    )  # fmt: skip
     groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
-    return DecodeWorker(engine, intake, worker_id, groups, Telemetry(config.telemetry, f"tandem-{worker_id}"))
+    telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
+    return DecodeWorker(engine, intake, worker_id, groups, telemetry, cluster_secret(config.auth))

@@ -63,6 +63,7 @@ class _Job:
     request: Request
     sender: KVSender
     generator: torch.Generator | None
+    capability: bytes = b""
     stream: SendStream | None = None
     lease_deadline: float = 0.0
 
@@ -94,8 +95,16 @@ class PrefillEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self.scheduler.held)
 
-    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams, sender: KVSender) -> None:
-        """Queues a prompt whose KV goes to the decode worker behind `sender`; raises ValueError if it can never run."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        sender: KVSender,
+        capability: bytes = b"",
+    ) -> None:
+        """Queues a prompt whose KV goes to the decode worker behind `sender` (with the router's
+        `capability` for the transfer); raises ValueError if it can never run."""
         if request_id in self._jobs:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model.arch.vocab_size
@@ -104,7 +113,7 @@ class PrefillEngine:
         request = Request(request_id, list(prompt), params)
         self.scheduler.add(request)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._jobs[request_id] = _Job(request, sender, generator)
+        self._jobs[request_id] = _Job(request, sender, generator, capability)
 
     def abort(self, request_id: str) -> bool:
         job = self._jobs.pop(request_id, None)
@@ -189,6 +198,7 @@ class PrefillEngine:
             block_size=self.scheduler.blocks.block_size,
             token_ids=tuple(request.prompt_token_ids),
             sampling=request.params,
+            capability=self._jobs[request.request_id].capability,
         )
         return self._jobs[request.request_id].sender.open(header)
 

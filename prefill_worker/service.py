@@ -21,7 +21,8 @@ from concurrent.futures import CancelledError, Future
 import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-from cluster.config import ClusterConfig, TelemetryConfig, TransferConfig
+from cluster.auth import cluster_secret, secret_metadata
+from cluster.config import AuthConfig, ClusterConfig, TelemetryConfig, TransferConfig
 from cluster.grpc_server import Server, start_server
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import CollectiveSender, GrpcSender
@@ -42,8 +43,10 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         device: str = "cpu",
         telemetry: Telemetry | None = None,
+        auth: AuthConfig | None = None,
     ) -> None:
         self.engine = engine
+        self.auth = auth or AuthConfig()
         self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.transfer = transfer
         self.worker_id = worker_id
@@ -62,7 +65,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
             return ["tandem.v1.Worker"]
 
-        self.server = start_server(add, address)
+        self.server = start_server(add, address, interceptors=[cluster_secret(self.auth)])
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self._loop.start()
         return self.server.address
@@ -97,7 +100,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             try:
                 sender = self._sender(request.decode_target)
-                self.engine.add_request(rid, list(request.prompt_token_ids), params, sender)
+                self.engine.add_request(rid, list(request.prompt_token_ids), params, sender, request.capability)
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self._waiters[rid] = waiter
@@ -188,10 +191,11 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         sender = self._senders.get(target)
         if sender is None:
             t = self.transfer
+            metadata = secret_metadata(self.auth)
             if t.transport == "collective":
-                sender = CollectiveSender(target, self.groups, t.timeout_s, t.max_queued_chunks)
+                sender = CollectiveSender(target, self.groups, t.timeout_s, t.max_queued_chunks, metadata)
             else:
-                sender = GrpcSender(target, t.timeout_s, t.max_message_mib << 20, t.max_queued_chunks)
+                sender = GrpcSender(target, t.timeout_s, t.max_message_mib << 20, t.max_queued_chunks, metadata)
             self._senders[target] = sender
         return sender
 
@@ -239,4 +243,4 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     num_blocks = num_kv_blocks(model, config.cache)
     engine = PrefillEngine(model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
-    return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry)
+    return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry, config.auth)

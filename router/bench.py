@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed")
     p.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", help="SLOs for goodput: ttft:MS tpot:MS")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
+    p.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
     p.add_argument("--out", default="benchmarks/results", help="folder for serve_bench.{json,png}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     config = load_config(args.config)
     cluster = ray_cluster.start(config)
-    router = from_config(config, cluster.discover)
+    router = from_config(config, cluster.discover, cluster)
     try:
         return _bench(args, router.start("127.0.0.1:0"))
     finally:
@@ -110,7 +111,7 @@ def load_requests(args: argparse.Namespace, target: str) -> list[BenchRequest]:
         ]
 
     async def vocab() -> int:
-        async with AsyncClient(target) as client:
+        async with AsyncClient(target, api_key=args.api_key) as client:
             return (await client.model_info()).vocab_size
 
     vocab_size = asyncio.run(vocab())
@@ -129,7 +130,7 @@ async def _drive(target: str, requests: list[BenchRequest], args: argparse.Names
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
     bar = tqdm(total=len(requests), disable=args.no_progress, desc="requests")
-    async with AsyncClient(target, timeout=args.timeout, retries=0) as client:
+    async with AsyncClient(target, api_key=args.api_key, timeout=args.timeout, retries=0) as client:
 
         async def one(request: BenchRequest) -> Result:
             if limit is not None:

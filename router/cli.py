@@ -28,6 +28,7 @@ import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from cluster.arch import ModelFormatError
+from cluster.auth import api_keys
 from cluster.cli import add_commands, add_generate_options, offline_generate
 from cluster.config import ConfigError, load_config
 from router.client import Client, TandemError
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
     gen.add_argument("--model", default=None, help="run this model folder in this process instead")
     gen.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default: 120)")
+    gen.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
     add_generate_options(gen)
     gen.set_defaults(run=_generate)
 
@@ -79,10 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("pool", choices=["prefill", "decode"], help="the pool")
     scale.add_argument("replicas", help="workers to hold the pool at, or 'auto' to clear the override")
     scale.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
+    scale.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
     scale.set_defaults(run=_scale)
 
     status = commands.add_parser("status", help="show pools, workers, KV use, queues and placement counters")
     status.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
+    status.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
     status.set_defaults(run=_status)
 
     add_commands(commands)
@@ -105,7 +109,9 @@ def _serve(args: argparse.Namespace) -> int:
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
         if args.prompt is not None:
-            _stream(address, args.prompt, max_tokens=args.max_tokens, temperature=0.0)
+            keys = api_keys(config.auth)
+            key = keys[0].decode() if keys else None
+            _stream(address, args.prompt, api_key=key, max_tokens=args.max_tokens, temperature=0.0)
             if not args.keep_serving:
                 return 0
         stop = threading.Event()
@@ -130,12 +136,12 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     messages = [{"role": "user", "content": prompt}] if args.chat else prompt
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    _stream(args.target, messages, timeout=args.timeout, **sampling)
+    _stream(args.target, messages, timeout=args.timeout, api_key=args.api_key, **sampling)
     return 0
 
 
-def _stream(target: str, prompt, timeout: float = 120.0, **sampling) -> None:  # type: ignore[no-untyped-def]
-    with Client(target, timeout=timeout) as client:
+def _stream(target: str, prompt, timeout: float = 120.0, api_key: str | None = None, **sampling) -> None:  # type: ignore[no-untyped-def]
+    with Client(target, api_key=api_key, timeout=timeout) as client:
         if isinstance(prompt, str):
             print(prompt, end="", flush=True)
         reason = None
@@ -145,13 +151,17 @@ def _stream(target: str, prompt, timeout: float = 120.0, **sampling) -> None:  #
         print(f"\n[finish: {reason}]", file=sys.stderr)
 
 
+def _key(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+
+
 def _scale(args: argparse.Namespace) -> int:
     request = worker_pb2.ScaleRequest(pool=args.pool)
     if args.replicas != "auto":
         request.replicas = int(args.replicas)
     with grpc.insecure_channel(args.target) as channel:
         try:
-            pool = worker_pb2_grpc.AdminStub(channel).Scale(request, timeout=60).pool
+            pool = worker_pb2_grpc.AdminStub(channel).Scale(request, timeout=60, metadata=_key(args)).pool
         except grpc.RpcError as e:
             print(f"tandem: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -167,7 +177,9 @@ def _scale(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     channel = grpc.insecure_channel(args.target)
     try:
-        status = worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+        status = worker_pb2_grpc.AdminStub(channel).GetStatus(
+            worker_pb2.GetStatusRequest(), timeout=10, metadata=_key(args)
+        )
     except grpc.RpcError as e:
         print(f"tandem: cannot reach the router at {args.target}: {e.code().name}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ import collections
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +29,7 @@ from opentelemetry import trace
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cluster.arch import ModelArch
+from cluster.auth import client_keys, mint_capability, secret_metadata
 from cluster.config import ClusterConfig, SLOConfig
 from cluster.grpc_server import Server, message_options, start_server
 from cluster.request import SamplingParams, params_to_proto
@@ -50,8 +51,11 @@ class _Worker:
 class WorkerPool:
     """The workers the router can reach, refreshed from `discover()` (name -> "host:port")."""
 
-    def __init__(self, discover: Callable[[], dict[str, str]], refresh_s: float = 1.0) -> None:
+    def __init__(
+        self, discover: Callable[[], dict[str, str]], refresh_s: float = 1.0, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
         self.discover = discover
+        self.metadata = list(metadata)  # the cluster secret on every call to a worker
         self.refresh_s = refresh_s
         self._workers: dict[str, _Worker] = {}
         self._checked = 0.0
@@ -67,7 +71,8 @@ class WorkerPool:
         """Each reachable worker's load; unreachable ones are left out."""
         workers = self.workers()
         calls = {
-            name: w.stub.GetLoad.future(worker_pb2.GetLoadRequest(), timeout=timeout_s) for name, w in workers.items()
+            name: w.stub.GetLoad.future(worker_pb2.GetLoadRequest(), timeout=timeout_s, metadata=self.metadata)
+            for name, w in workers.items()
         }
         loads = {}
         for name, call in calls.items():
@@ -106,6 +111,8 @@ class RouterSettings:
     has_chat_template: bool
     dtype: str
     slo: SLOConfig = field(default_factory=SLOConfig)
+    capability_secret: bytes | None = None  # mint a capability for every KV transfer
+    capability_ttl_s: float = 120.0
     max_queued_requests: int = 256
     local_prefill_max_tokens: int = 64
     metrics_port: int = 0
@@ -119,8 +126,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         pool: WorkerPool,
         telemetry: Telemetry,
         pools: PoolAdmin | None = None,
+        interceptor: grpc.ServerInterceptor | None = None,
     ) -> None:
         self.settings = settings
+        self.interceptor = interceptor  # client API keys, when configured
         self.pools = pools
         self.telemetry = telemetry
         self.slo = SLOWindow(settings.slo.window_s)
@@ -138,7 +147,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             worker_pb2_grpc.add_AdminServicer_to_server(self, server)
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
-        self.server = start_server(add, address)
+        self.server = start_server(add, address, interceptors=[self.interceptor])
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
 
@@ -268,7 +277,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         decode = workers[choice.decode]
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
-        metadata = _trace_metadata(trace_context)
+        metadata = [*self.pool.metadata, *_trace_metadata(trace_context)]
         sampling = params_to_proto(params)
         remote = choice.prefill is not None
         request = worker_pb2.WorkerRequest(
@@ -278,9 +287,16 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         calls = [decode_call]
         prefill_result: dict[str, object] = {}
         if remote:
+            capability = b""
+            if s.capability_secret is not None:
+                capability = mint_capability(s.capability_secret, rid, len(prompt), s.block_size, s.capability_ttl_s)
             prefill_call = workers[choice.prefill].stub.Submit(  # type: ignore[index]
                 worker_pb2.WorkerRequest(
-                    request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_target=decode.address
+                    request_id=rid,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    decode_target=decode.address,
+                    capability=capability,
                 ),
                 timeout=timeout,
                 metadata=metadata,
@@ -424,5 +440,9 @@ def from_config(
         max_queued_requests=config.router.max_queued_requests,
         local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         metrics_port=config.telemetry.metrics_port,
+        capability_secret=secret.get_secret_value().encode() if (secret := config.auth.cluster_secret) else None,
+        capability_ttl_s=config.auth.capability_ttl_s,
     )
-    return Router(settings, tokenizer, WorkerPool(discover), Telemetry(config.telemetry, "tandem-router"), pools)
+    pool = WorkerPool(discover, metadata=secret_metadata(config.auth))
+    telemetry = Telemetry(config.telemetry, "tandem-router")
+    return Router(settings, tokenizer, pool, telemetry, pools, client_keys(config.auth))

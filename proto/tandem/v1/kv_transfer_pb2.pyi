@@ -77,6 +77,18 @@ class KVTransferResult(_message.Message):
     num_blocks: int
     def __init__(self, accepted: _Optional[bool] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
+class Capability(_message.Message):
+    __slots__ = ("request_id", "num_blocks", "expires_at", "mac")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_blocks: int
+    expires_at: float
+    mac: bytes
+    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., expires_at: _Optional[float] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
 class JoinGroupRequest(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "backend", "timeout_s")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
