@@ -2,8 +2,10 @@
 
 - Prefill locally (on the decode worker) when the prompt is at most `local_prefill_max_tokens`:
   no transfer is cheaper than any transfer.
-- Decode worker: among those with room for the sequence's KV blocks, the lightest (fewest running
-  plus waiting sequences, then most free blocks).
+- Decode worker: among those whose cache can hold the sequence at all, the ones with its blocks
+  free now first, then the lightest (fewest running plus waiting sequences, then most free
+  blocks). A full worker still takes a sequence it can hold: its scheduler queues or preempts
+  (recomputing later), which is better than refusing the request.
 - Prefill worker: the owner of the prompt's first block on a consistent-hash ring, so equal
   prefixes land where their KV is cached, unless its queue is longer than the shortest by more
   than `queue_slack_tokens`; then the one with the fewest queued prompt tokens.
@@ -56,11 +58,16 @@ def choose_decode(num_tokens: int, loads: dict[str, worker_pb2.WorkerLoad], bloc
     fits = [
         name
         for name, load in loads.items()
-        if load.role == "decode" and not load.draining and load.free_kv_blocks >= needed
+        if load.role == "decode" and not load.draining and load.total_kv_blocks >= needed
     ]
     if not fits:
-        raise NoCapacity(f"no decode worker has {needed} free KV blocks")
-    return min(fits, key=lambda n: (loads[n].running_seqs + loads[n].waiting_seqs, -loads[n].free_kv_blocks, n))
+        raise NoCapacity(f"no decode worker can hold {needed} KV blocks")
+
+    def preference(n: str) -> tuple[bool, int, int, str]:
+        load = loads[n]
+        return (load.free_kv_blocks < needed, load.running_seqs + load.waiting_seqs, -load.free_kv_blocks, n)
+
+    return min(fits, key=preference)
 
 
 def ring_owner(key: Sequence[int], workers: Sequence[str], points_per_worker: int = 64) -> str:

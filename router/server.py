@@ -143,7 +143,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
 
     def start(self, address: str = "127.0.0.1:0") -> str:
         def add(server: grpc.Server) -> list[str]:
-            api_pb2_grpc.add_TandemServicer_to_server(self, server)
+            server.add_generic_rpc_handlers((self._public_handlers(),))
             worker_pb2_grpc.add_AdminServicer_to_server(self, server)
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
@@ -171,9 +171,28 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             has_chat_template=s.has_chat_template,
         )
 
+    def _public_handlers(self) -> grpc.GenericRpcHandler:
+        """`tandem.v1.Tandem` with requests parsed so that malformed bytes are INVALID_ARGUMENT
+        (gRPC's own parsing failure would be INTERNAL)."""
+        return grpc.method_handlers_generic_handler(
+            "tandem.v1.Tandem",
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(
+                    self.Generate, request_deserializer=_parse(api_pb2.GenerateRequest),
+                    response_serializer=api_pb2.GenerateResponse.SerializeToString,
+                ),
+                "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                    self.GetModelInfo, request_deserializer=_parse(api_pb2.GetModelInfoRequest),
+                    response_serializer=api_pb2.ModelInfo.SerializeToString,
+                ),
+            },
+        )  # fmt: skip
+
     def Generate(
         self, request: api_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[api_pb2.GenerateResponse]:
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
         received = time.time()
         rid = request.request_id or uuid.uuid4().hex
         parent = extract(context.invocation_metadata())  # continues a client's traceparent
@@ -377,6 +396,23 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
     def _mode(root: trace.Span) -> str:
         attributes = getattr(root, "attributes", None) or {}
         return str(attributes.get("tandem.prefill_mode", "none"))
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not parse."""
+
+    error: str
+
+
+def _parse(message_type):  # type: ignore[no-untyped-def]
+    def parse(data: bytes):  # type: ignore[no-untyped-def]
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # protobuf's DecodeError, invalid UTF-8 in a string field, ...
+            return Malformed(str(e) or type(e).__name__)
+
+    return parse
 
 
 def _trace_metadata(trace_context: otel_context.Context) -> list[tuple[str, str]]:

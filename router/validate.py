@@ -6,6 +6,7 @@ or raises `InvalidRequest` naming the field, which the router turns into INVALID
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,6 +14,8 @@ from typing import Protocol
 from tandem.v1 import api_pb2
 
 from cluster.request import SamplingParams
+
+_ID = re.compile(r"[A-Za-z0-9_.:/-]+")  # ids travel in gRPC metadata, which takes printable ASCII only
 
 
 class InvalidRequest(ValueError):
@@ -43,6 +46,8 @@ def validate(
 ) -> tuple[list[int], SamplingParams]:
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidRequest("request_id", f"longer than {limits.max_request_id_chars} characters")
+    if request.request_id and not _ID.fullmatch(request.request_id):
+        raise InvalidRequest("request_id", "use letters, digits and - _ . : / only")
     prompt = _prompt(request, limits, tokenizer)
     return prompt, _sampling(request.sampling, limits, len(prompt))
 

@@ -37,6 +37,8 @@ def test_valid_request_resolves_max_tokens_and_defaults():
     ("fields", "field"),
     [
         (dict(text=""), "text"),
+        (dict(text="a", request_id="id with spaces"), "request_id"),
+        (dict(text="a", request_id="\x1f"), "request_id"),
         (dict(), "prompt"),
         (dict(text="a " * 100), "text"),
         (dict(text="a", sampling=api_pb2.SamplingParams(max_tokens=100)), "sampling.max_tokens"),
@@ -65,10 +67,13 @@ def load(role: str, free: int = 100, running: int = 0, queued: int = 0, draining
     )  # fmt: skip
 
 
-def test_decode_choice_needs_room_then_prefers_the_lightest():
+def test_decode_choice_prefers_free_room_then_the_lightest():
     loads = {"decode-0": load("decode", free=3), "decode-1": load("decode", running=5), "decode-2": load("decode")}
     assert choose_decode(16 * 10, loads, 16) == "decode-2"
     assert choose_decode(16 * 2, {"decode-0": loads["decode-0"], "decode-1": loads["decode-1"]}, 16) == "decode-0"
+    # No worker has the blocks free, but one can hold them: it queues or preempts rather than refusing.
+    full = {"decode-0": load("decode", free=1, running=9), "decode-1": load("decode", free=2, running=3)}
+    assert choose_decode(16 * 10, full, 16) == "decode-1"
     with pytest.raises(NoCapacity):
         choose_decode(16 * 200, loads, 16)
     with pytest.raises(NoCapacity):

@@ -1,0 +1,194 @@
+"""Bad days: overload is refused up front and leaks nothing, KV pressure preempts instead of failing,
+and no request — well-formed, nonsensical or malformed — makes the router fail with INTERNAL or
+UNKNOWN. Servers run in this process on loopback."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tandem.v1 import api_pb2, api_pb2_grpc
+
+from cluster.config import parse_config
+from cluster.loader import load_model
+from cluster.request import SamplingParams
+from cluster.tokenizer import Tokenizer
+from decode_worker import service as decode_service
+from decode_worker.engine import Engine
+from prefill_worker import service as prefill_service
+from router import server as router_server
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
+
+
+def start_cluster(**overrides):
+    data = {
+        "model": {"path": str(DEMO), "dtype": "float32"},
+        "cache": {"block_size": 16, "num_blocks": 256},
+        "router": {"local_prefill_max_tokens": 8, "max_queued_requests": 64},
+    }
+    for part, values in overrides.items():
+        data[part] = {**data.get(part, {}), **values}
+    config = parse_config(data)
+    decode = decode_service.from_config(config, "decode-0")
+    prefill = prefill_service.from_config(config, "prefill-0")
+    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
+    router = router_server.from_config(config, lambda: workers)
+    address = router.start()
+
+    def stop() -> None:
+        router.stop()
+        prefill.stop()
+        decode.stop()
+
+    return address, router, decode, stop
+
+
+def generate(stub, prompt, max_tokens, timeout=120) -> tuple[list[int], grpc.StatusCode | None, int]:
+    """(tokens, status code or None, tokens received before the error)."""
+    request = api_pb2.GenerateRequest(
+        token_ids=api_pb2.TokenIds(ids=prompt),
+        sampling=api_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )
+    tokens: list[int] = []
+    try:
+        for m in stub.Generate(request, timeout=timeout):
+            tokens += m.token_ids
+        return tokens, None, len(tokens)
+    except grpc.RpcError as e:
+        return tokens, e.code(), len(tokens)
+
+
+def test_overload_is_refused_before_the_stream_and_leaks_nothing():
+    address, router, decode, stop = start_cluster(router={"max_queued_requests": 4})
+    try:
+        stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+        results = {}
+
+        def one(i: int) -> None:
+            results[i] = generate(stub, [10 + i, 11, 12, 13, 14, 15, 16, 17, 18, 19] * 3, 40)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]  # 10x what it admits
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = [r for r in results.values() if r[1] is not None]
+        served = [r for r in results.values() if r[1] is None]
+        assert refused and served
+        assert all(code is grpc.StatusCode.RESOURCE_EXHAUSTED and before == 0 for _, code, before in refused)
+        assert all(len(tokens) == 40 for tokens, _, _ in served)
+        assert router._in_flight == 0
+        assert decode.engine.scheduler.blocks.num_free_blocks == 256, "KV blocks back to idle"
+        assert not decode._streams and not decode.engine.has_unfinished
+    finally:
+        stop()
+
+
+def test_kv_pressure_preempts_and_outputs_do_not_change():
+    address, _, decode, stop = start_cluster(cache={"num_blocks": 20}, router={"local_prefill_max_tokens": 1000})
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(20, 60))] for _ in range(10)]
+    try:
+        stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+        results = {}
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, generate(stub, prompts[i], 80)))
+            for i in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert decode.engine.scheduler.stats.num_preemptions > 0, "20 blocks for 10 sequences of ~9 must preempt"
+    finally:
+        stop()
+    tok = Tokenizer(DEMO)
+    config = parse_config({"model": {"path": str(DEMO)}})
+    reference = Engine(load_model(DEMO, "float32"), tok, config.cache, config.scheduler, tok.eos_token_ids)
+    for i, prompt in enumerate(prompts):
+        reference.add_request(str(i), prompt, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+    expected: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while reference.has_unfinished:
+        for out in reference.step():
+            expected[out.request_id] += out.token_ids
+    for i in range(len(prompts)):
+        tokens, code, _ = results[i]
+        assert code is None and tokens == expected[str(i)], i
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    address, _, decode, stop = start_cluster()
+    yield api_pb2_grpc.TandemStub(grpc.insecure_channel(address)), address, decode
+    stop()
+
+
+DOCUMENTED = {None, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+floats = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=32))
+sampling = st.builds(
+    lambda max_tokens, temperature, top_p, top_k, min_p, rep, pres, freq, stop, stop_ids, seed, logprobs, min_tokens: (
+        api_pb2.SamplingParams(
+            max_tokens=max_tokens, presence_penalty=pres, frequency_penalty=freq, stop=stop,
+            stop_token_ids=stop_ids, min_tokens=min_tokens,
+            **{k: v for k, v in dict(
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=rep,
+                seed=seed, logprobs=logprobs,
+            ).items() if v is not None},
+        )
+    ),
+    st.integers(0, 3000), floats, floats, st.one_of(st.none(), st.integers(-5, 100)), floats, floats,
+    st.floats(-5, 5, width=32), st.floats(-5, 5, width=32), st.lists(st.text(max_size=6), max_size=20),
+    st.lists(st.integers(0, 2**32 - 1), max_size=4), st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    st.one_of(st.none(), st.integers(0, 50)), st.integers(0, 10),
+)  # fmt: skip
+prompts = st.one_of(
+    st.builds(lambda t: {"text": t}, st.text(max_size=40)),
+    st.builds(lambda ids: {"token_ids": api_pb2.TokenIds(ids=ids)}, st.lists(st.integers(0, 2**32 - 1), max_size=30)),
+    st.builds(
+        lambda msgs: {"chat": api_pb2.ChatPrompt(messages=[api_pb2.ChatMessage(role=r, content=c) for r, c in msgs])},
+        st.lists(
+            st.tuples(st.sampled_from(["user", "system", "assistant", "", "x"]), st.text(max_size=20)), max_size=3
+        ),
+    ),
+    st.just({}),
+)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, sampling=sampling, request_id=st.text(max_size=200))
+def test_fuzzed_requests_get_documented_codes_only(fuzz_target, prompt, sampling, request_id):
+    stub, _, _ = fuzz_target
+    # Keep generation short so thousands of cases run quickly; validation still sees every field
+    # (max_tokens 0, "up to the context window", is covered by the validation unit tests).
+    if sampling.max_tokens < 1000:
+        sampling.max_tokens = 1 + sampling.max_tokens % 4
+    request = api_pb2.GenerateRequest(request_id=request_id, sampling=sampling, **prompt)
+    code = None
+    try:
+        for _ in stub.Generate(request, timeout=60):
+            pass
+    except grpc.RpcError as e:
+        code = e.code()
+        assert e.details(), "every refusal says why"
+    assert code in DOCUMENTED, (code, request)
+
+
+def test_malformed_bytes_are_invalid_argument_and_oversize_is_refused(fuzz_target):
+    _, address, decode = fuzz_target
+    with grpc.insecure_channel(address) as channel:
+        raw = channel.unary_stream("/tandem.v1.Tandem/Generate", request_serializer=None, response_deserializer=None)
+        for junk in (b"\xff\xff\xff", b"\x12\x05abc", b"\x0a\x02\xc3\x28"):  # bad tag, short length, bad UTF-8
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(junk, timeout=10))
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, junk
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(b"\x12" + b"\xff\xff\xff\x7f" + b"a" * (300 << 20), timeout=30))
+        assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert decode.engine.scheduler.blocks.num_free_blocks == 256
