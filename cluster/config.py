@@ -219,6 +219,12 @@ class RouterConfig(_Part):
         default=64, ge=0, description="Prompts up to this many tokens are prefilled on the decode worker itself."
     )
     max_stop_strings: int = Field(default=16, ge=0, description="Most stop strings one request may carry.")
+    migration_limit: int = Field(
+        default=2, ge=0, description="Times a request may move to another worker after its worker dies mid-request."
+    )
+    migration_wait_s: float = Field(
+        default=60.0, ge=0, description="How long a migrating request waits for a live worker (a restart, say)."
+    )
 
 
 class ClusterConfig(_Part):

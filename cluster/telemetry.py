@@ -53,6 +53,9 @@ class Metrics:
         self.kv_transfer = histogram("tandem_kv_transfer_seconds", "KV transfer, header to admission.", ["transport"])
         self.kv_bytes = histogram("tandem_kv_transfer_bytes", "Bytes of one KV transfer.", ["transport"], _BYTES)
         self.requests = prom.Counter("tandem_requests", "Finished requests.", ["status", "prefill_mode"], registry=r)
+        self.migrations = prom.Counter(
+            "tandem_migrations", "Requests moved to another worker after a worker failed.", ["failed"], registry=r
+        )
         self.transfer_failures = prom.Counter(
             "tandem_kv_transfer_failures", "KV transfers that failed.", ["code"], registry=r
         )

@@ -16,6 +16,7 @@ Lifecycle of a request:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 import uuid
@@ -113,6 +114,8 @@ class RouterSettings:
     slo: SLOConfig = field(default_factory=SLOConfig)
     capability_secret: bytes | None = None  # mint a capability for every KV transfer
     capability_ttl_s: float = 120.0
+    migration_limit: int = 2
+    migration_wait_s: float = 60.0
     max_queued_requests: int = 256
     local_prefill_max_tokens: int = 64
     metrics_port: int = 0
@@ -277,30 +280,108 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         trace_context: otel_context.Context,
         outcome: dict[str, object],
     ) -> Iterator[api_pb2.GenerateResponse]:
+        """Places the request and relays its stream. When a worker dies mid-request, the request
+        migrates: prompt + the tokens already streamed are prefilled again on a live worker and the
+        same client stream continues, no token lost or repeated (at most `migration_limit` times)."""
         s = self.settings
         try:
-            choice = choose(prompt, params.max_tokens, self.pool.loads(), s.block_size, s.local_prefill_max_tokens)
+            choice = self._place(prompt, params.max_tokens, wait_s=0)
         except NoCapacity as e:
             outcome["status"] = "rejected"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.decisions[f"prefill={choice.reason}"] += 1
-        outcome["choice"] = choice
-        trace.get_current_span(trace_context).set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
+        root = trace.get_current_span(trace_context)
+        root.set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
         context.send_initial_metadata(
             (("tandem-request-id", rid), ("tandem-prefill", _describe(choice)), ("tandem-decode", choice.decode))
         )
         placed = time.time()
         self.telemetry.record("router.queue", trace_context, received, placed, tandem__prefill=_describe(choice))
         self.telemetry.metrics.queue.labels("router").observe(placed - received)
+        metadata = [*self.pool.metadata, *_trace_metadata(trace_context)]
+        chunks: list[tuple[float, int]] = []
+        outcome["chunks"] = chunks
+        generated: list[int] = []
+        cached: dict[str, int] = {}
+        for attempt in range(s.migration_limit + 1):
+            if attempt:
+                try:
+                    choice = self._place(prompt + generated, params.max_tokens - len(generated), s.migration_wait_s)
+                except NoCapacity as e:
+                    outcome["status"] = "error"
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
+            try:
+                for msg in self._attempt(f"{rid}.{attempt}", prompt + generated, _rest(params, len(generated)),
+                                         choice, context, metadata, cached):  # fmt: skip
+                    chunks.append((time.time(), len(msg.token_ids)))
+                    generated += msg.token_ids
+                    last = api_pb2.GenerateResponse(
+                        request_id=rid, text=msg.text, token_ids=msg.token_ids, logprobs=msg.logprobs,
+                        finish_reason=msg.finish_reason,
+                    )  # fmt: skip
+                    if msg.finish_reason:
+                        timing = RequestTiming(received, tuple(chunks))
+                        usage = api_pb2.Usage(
+                            prompt_tokens=len(prompt), completion_tokens=timing.output_tokens,
+                            cached_prompt_tokens=cached.get("tokens", msg.num_cached_tokens),
+                        )  # fmt: skip
+                        last.usage.CopyFrom(usage)
+                        last.slo.CopyFrom(_slo_report(timing, targets))
+                        outcome.update(status="ok", finish_reason=msg.finish_reason, timing=timing, prompt=len(prompt))
+                    yield last
+                return
+            except _Broken as broken:
+                if not context.is_active():
+                    outcome["status"] = "cancelled"
+                    return
+                if not broken.migratable or attempt == s.migration_limit:
+                    outcome["status"] = "error"
+                    context.abort(broken.code, broken.details)
+                self.telemetry.metrics.migrations.labels(broken.where).inc()
+                root.add_event(
+                    "migration",
+                    {
+                        "tandem.worker": broken.worker,
+                        "tandem.tokens_streamed": len(generated),
+                        "tandem.error": broken.details,
+                    },
+                )
+
+    def _place(self, prompt: list[int], max_tokens: int, wait_s: float) -> Choice:
+        """Chooses workers, waiting up to `wait_s` for one to come back (a restarting worker)."""
+        s = self.settings
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return choose(prompt, max_tokens, self.pool.loads(), s.block_size, s.local_prefill_max_tokens)
+            except NoCapacity:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _attempt(
+        self,
+        worker_rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        choice: Choice,
+        context: grpc.ServicerContext,
+        metadata: list[tuple[str, str]],
+        cached: dict[str, int],
+    ) -> Iterator[worker_pb2.WorkerTokens]:
+        """One try on one pair of workers: the decode worker's stream, with the prefill call beside
+        it. Raises `_Broken` when either fails; the caller decides whether to migrate."""
+        s = self.settings
         workers = self.pool.workers()
+        if choice.decode not in workers or (choice.prefill is not None and choice.prefill not in workers):
+            raise _Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
         decode = workers[choice.decode]
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
-        metadata = [*self.pool.metadata, *_trace_metadata(trace_context)]
         sampling = params_to_proto(params)
         remote = choice.prefill is not None
         request = worker_pb2.WorkerRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=remote
+            request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=remote
         )
         decode_call = decode.stub.Submit(request, timeout=timeout, metadata=metadata)
         calls = [decode_call]
@@ -308,52 +389,33 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         if remote:
             capability = b""
             if s.capability_secret is not None:
-                capability = mint_capability(s.capability_secret, rid, len(prompt), s.block_size, s.capability_ttl_s)
+                capability = mint_capability(
+                    s.capability_secret, worker_rid, len(prompt), s.block_size, s.capability_ttl_s
+                )
             prefill_call = workers[choice.prefill].stub.Submit(  # type: ignore[index]
                 worker_pb2.WorkerRequest(
-                    request_id=rid,
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    decode_target=decode.address,
-                    capability=capability,
+                    request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling,
+                    decode_target=decode.address, capability=capability,
                 ),
                 timeout=timeout,
                 metadata=metadata,
-            )
+            )  # fmt: skip
             calls.append(prefill_call)
             threading.Thread(
                 target=_watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
             ).start()
         context.add_callback(lambda: [c.cancel() for c in calls])
-        chunks: list[tuple[float, int]] = []
-        outcome["chunks"] = chunks
         try:
-            for msg in decode_call:
-                chunks.append((time.time(), len(msg.token_ids)))
-                last = api_pb2.GenerateResponse(
-                    request_id=rid,
-                    text=msg.text,
-                    token_ids=msg.token_ids,
-                    logprobs=msg.logprobs,
-                    finish_reason=msg.finish_reason,
-                )
-                if msg.finish_reason:
-                    timing = RequestTiming(received, tuple(chunks))
-                    last.usage.CopyFrom(
-                        api_pb2.Usage(
-                            prompt_tokens=len(prompt),
-                            completion_tokens=timing.output_tokens,
-                            cached_prompt_tokens=prefill_result.get("cached", msg.num_cached_tokens),  # type: ignore[arg-type]
-                        )
-                    )
-                    last.slo.CopyFrom(_slo_report(timing, targets))
-                    outcome.update(status="ok", finish_reason=msg.finish_reason, timing=timing, prompt=len(prompt))
-                yield last
+            yield from decode_call
+            if "cached" in prefill_result:
+                cached["tokens"] = prefill_result["cached"]  # type: ignore[assignment]
         except grpc.RpcError as e:
-            error = prefill_result.get("error", e)
-            outcome["status"] = "cancelled" if not context.is_active() else "error"
-            if context.is_active():
-                context.abort(error.code(), f"{error.details()}")  # type: ignore[union-attr]
+            for call in calls:
+                call.cancel()
+            failed = prefill_result.get("error")
+            if isinstance(failed, grpc.RpcError):
+                raise _Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
+            raise _Broken(e.code(), e.details() or "", "decode", choice.decode) from None
 
     def _targets(self, request: api_pb2.GenerateRequest) -> Targets:
         budget = request.budget
@@ -433,6 +495,32 @@ def _slo_report(timing: RequestTiming, targets: Targets) -> api_pb2.SloReport:
     )
 
 
+# A worker that died or vanished: the request can continue elsewhere.
+_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}  # fmt: skip
+
+
+class _Broken(Exception):
+    """An attempt failed at a worker (`where` is "decode" or "prefill")."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, where: str, worker: str) -> None:
+        super().__init__(details)
+        self.code, self.details, self.where, self.worker = code, details, where, worker
+
+    @property
+    def migratable(self) -> bool:
+        return self.code in _MIGRATABLE
+
+
+def _rest(params: SamplingParams, streamed: int) -> SamplingParams:
+    """The sampling parameters for the rest of a request that has already streamed `streamed` tokens."""
+    if not streamed:
+        return params
+    return dataclasses.replace(
+        params, max_tokens=params.max_tokens - streamed, min_tokens=max(0, params.min_tokens - streamed)
+    )
+
+
 def _watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
     """Consumes the prefill call; if it fails, the request fails with its error."""
     try:
@@ -478,6 +566,8 @@ def from_config(
         metrics_port=config.telemetry.metrics_port,
         capability_secret=secret.get_secret_value().encode() if (secret := config.auth.cluster_secret) else None,
         capability_ttl_s=config.auth.capability_ttl_s,
+        migration_limit=config.router.migration_limit,
+        migration_wait_s=config.router.migration_wait_s,
     )
     pool = WorkerPool(discover, metadata=secret_metadata(config.auth))
     telemetry = Telemetry(config.telemetry, "tandem-router")
