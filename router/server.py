@@ -16,11 +16,10 @@ Lifecycle of a request:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,74 +31,24 @@ from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from cluster.arch import ModelArch
 from cluster.auth import client_keys, mint_capability, secret_metadata
 from cluster.config import ClusterConfig, SLOConfig
-from cluster.grpc_server import Server, message_options, start_server
+from cluster.grpc_server import Server, start_server
 from cluster.request import SamplingParams, params_to_proto
 from cluster.slo import RequestTiming, SLOWindow, Targets
-from cluster.telemetry import Telemetry, extract, inject
+from cluster.telemetry import Telemetry, extract
 from cluster.tokenizer import Tokenizer
 from router.placement import Choice, NoCapacity, choose
+from router.pool import WorkerPool
+from router.relay import (
+    Broken,
+    Malformed,
+    describe,
+    parse,
+    rest_of,
+    slo_report,
+    trace_metadata,
+    watch_prefill,
+)
 from router.validate import InvalidRequest, Limits, PromptTokenizer, validate
-
-
-@dataclass
-class _Worker:
-    name: str
-    address: str
-    channel: grpc.Channel
-    stub: worker_pb2_grpc.WorkerStub
-
-
-class WorkerPool:
-    """The workers the router can reach, refreshed from `discover()` (name -> "host:port")."""
-
-    def __init__(
-        self, discover: Callable[[], dict[str, str]], refresh_s: float = 1.0, metadata: Sequence[tuple[str, str]] = ()
-    ) -> None:
-        self.discover = discover
-        self.metadata = list(metadata)  # the cluster secret on every call to a worker
-        self.refresh_s = refresh_s
-        self._workers: dict[str, _Worker] = {}
-        self._checked = 0.0
-        self._lock = threading.Lock()
-
-    def workers(self) -> dict[str, _Worker]:
-        with self._lock:
-            if time.monotonic() - self._checked >= self.refresh_s:
-                self._refresh()
-            return dict(self._workers)
-
-    def loads(self, timeout_s: float = 2.0) -> dict[str, worker_pb2.WorkerLoad]:
-        """Each reachable worker's load; unreachable ones are left out."""
-        workers = self.workers()
-        calls = {
-            name: w.stub.GetLoad.future(worker_pb2.GetLoadRequest(), timeout=timeout_s, metadata=self.metadata)
-            for name, w in workers.items()
-        }
-        loads = {}
-        for name, call in calls.items():
-            try:
-                loads[name] = call.result()
-            except grpc.RpcError:
-                with self._lock:
-                    self._checked = 0.0  # rediscover on the next request
-        return loads
-
-    def close(self) -> None:
-        with self._lock:
-            for w in self._workers.values():
-                w.channel.close()
-            self._workers.clear()
-
-    def _refresh(self) -> None:
-        found = self.discover()
-        for name in list(self._workers):
-            if found.get(name) != self._workers[name].address:
-                self._workers.pop(name).channel.close()
-        for name, address in found.items():
-            if name not in self._workers:
-                channel = grpc.insecure_channel(address, options=message_options())
-                self._workers[name] = _Worker(name, address, channel, worker_pb2_grpc.WorkerStub(channel))
-        self._checked = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -181,11 +130,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             "tandem.v1.Tandem",
             {
                 "Generate": grpc.unary_stream_rpc_method_handler(
-                    self.Generate, request_deserializer=_parse(api_pb2.GenerateRequest),
+                    self.Generate, request_deserializer=parse(api_pb2.GenerateRequest),
                     response_serializer=api_pb2.GenerateResponse.SerializeToString,
                 ),
                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                    self.GetModelInfo, request_deserializer=_parse(api_pb2.GetModelInfoRequest),
+                    self.GetModelInfo, request_deserializer=parse(api_pb2.GetModelInfoRequest),
                     response_serializer=api_pb2.ModelInfo.SerializeToString,
                 ),
             },
@@ -293,12 +242,12 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         root = trace.get_current_span(trace_context)
         root.set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
         context.send_initial_metadata(
-            (("tandem-request-id", rid), ("tandem-prefill", _describe(choice)), ("tandem-decode", choice.decode))
+            (("tandem-request-id", rid), ("tandem-prefill", describe(choice)), ("tandem-decode", choice.decode))
         )
         placed = time.time()
-        self.telemetry.record("router.queue", trace_context, received, placed, tandem__prefill=_describe(choice))
+        self.telemetry.record("router.queue", trace_context, received, placed, tandem__prefill=describe(choice))
         self.telemetry.metrics.queue.labels("router").observe(placed - received)
-        metadata = [*self.pool.metadata, *_trace_metadata(trace_context)]
+        metadata = [*self.pool.metadata, *trace_metadata(trace_context)]
         chunks: list[tuple[float, int]] = []
         outcome["chunks"] = chunks
         generated: list[int] = []
@@ -311,7 +260,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                     outcome["status"] = "error"
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
             try:
-                for msg in self._attempt(f"{rid}.{attempt}", prompt + generated, _rest(params, len(generated)),
+                for msg in self._attempt(f"{rid}.{attempt}", prompt + generated, rest_of(params, len(generated)),
                                          choice, context, metadata, cached):  # fmt: skip
                     chunks.append((time.time(), len(msg.token_ids)))
                     generated += msg.token_ids
@@ -326,11 +275,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                             cached_prompt_tokens=cached.get("tokens", msg.num_cached_tokens),
                         )  # fmt: skip
                         last.usage.CopyFrom(usage)
-                        last.slo.CopyFrom(_slo_report(timing, targets))
+                        last.slo.CopyFrom(slo_report(timing, targets))
                         outcome.update(status="ok", finish_reason=msg.finish_reason, timing=timing, prompt=len(prompt))
                     yield last
                 return
-            except _Broken as broken:
+            except Broken as broken:
                 if not context.is_active():
                     outcome["status"] = "cancelled"
                     return
@@ -370,11 +319,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         cached: dict[str, int],
     ) -> Iterator[worker_pb2.WorkerTokens]:
         """One try on one pair of workers: the decode worker's stream, with the prefill call beside
-        it. Raises `_Broken` when either fails; the caller decides whether to migrate."""
+        it. Raises `Broken` when either fails; the caller decides whether to migrate."""
         s = self.settings
         workers = self.pool.workers()
         if choice.decode not in workers or (choice.prefill is not None and choice.prefill not in workers):
-            raise _Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
+            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
         decode = workers[choice.decode]
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
@@ -402,7 +351,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             )  # fmt: skip
             calls.append(prefill_call)
             threading.Thread(
-                target=_watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
+                target=watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
             ).start()
         context.add_callback(lambda: [c.cancel() for c in calls])
         try:
@@ -414,8 +363,8 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                 call.cancel()
             failed = prefill_result.get("error")
             if isinstance(failed, grpc.RpcError):
-                raise _Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
-            raise _Broken(e.code(), e.details() or "", "decode", choice.decode) from None
+                raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
+            raise Broken(e.code(), e.details() or "", "decode", choice.decode) from None
 
     def _targets(self, request: api_pb2.GenerateRequest) -> Targets:
         budget = request.budget
@@ -458,82 +407,6 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
     def _mode(root: trace.Span) -> str:
         attributes = getattr(root, "attributes", None) or {}
         return str(attributes.get("tandem.prefill_mode", "none"))
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """A request whose bytes did not parse."""
-
-    error: str
-
-
-def _parse(message_type):  # type: ignore[no-untyped-def]
-    def parse(data: bytes):  # type: ignore[no-untyped-def]
-        try:
-            return message_type.FromString(data)
-        except Exception as e:  # protobuf's DecodeError, invalid UTF-8 in a string field, ...
-            return Malformed(str(e) or type(e).__name__)
-
-    return parse
-
-
-def _trace_metadata(trace_context: otel_context.Context) -> list[tuple[str, str]]:
-    token = otel_context.attach(trace_context)
-    try:
-        return inject()
-    finally:
-        otel_context.detach(token)
-
-
-def _slo_report(timing: RequestTiming, targets: Targets) -> api_pb2.SloReport:
-    return api_pb2.SloReport(
-        met=targets.met(timing.ttft, timing.tpot),
-        ttft_seconds=timing.ttft,
-        tpot_seconds=timing.tpot or 0.0,
-        ttft_target_seconds=targets.ttft_s,
-        tpot_target_seconds=targets.tpot_s,
-    )
-
-
-# A worker that died or vanished: the request can continue elsewhere.
-_MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-               grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}  # fmt: skip
-
-
-class _Broken(Exception):
-    """An attempt failed at a worker (`where` is "decode" or "prefill")."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, where: str, worker: str) -> None:
-        super().__init__(details)
-        self.code, self.details, self.where, self.worker = code, details, where, worker
-
-    @property
-    def migratable(self) -> bool:
-        return self.code in _MIGRATABLE
-
-
-def _rest(params: SamplingParams, streamed: int) -> SamplingParams:
-    """The sampling parameters for the rest of a request that has already streamed `streamed` tokens."""
-    if not streamed:
-        return params
-    return dataclasses.replace(
-        params, max_tokens=params.max_tokens - streamed, min_tokens=max(0, params.min_tokens - streamed)
-    )
-
-
-def _watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
-    """Consumes the prefill call; if it fails, the request fails with its error."""
-    try:
-        for msg in prefill_call:
-            result["cached"] = msg.num_cached_tokens
-    except grpc.RpcError as e:
-        if e.code() is not grpc.StatusCode.CANCELLED:
-            result["error"] = e
-            decode_call.cancel()
-
-
-def _describe(choice: Choice) -> str:
-    return choice.reason if choice.prefill is None else f"{choice.reason}:{choice.prefill}"
 
 
 class PoolAdmin(Protocol):
