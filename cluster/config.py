@@ -222,6 +222,9 @@ class RouterConfig(_Part):
     migration_limit: int = Field(
         default=2, ge=0, description="Times a request may move to another worker after its worker dies mid-request."
     )
+    shutdown_timeout_s: float = Field(
+        default=60.0, ge=0, description="On SIGTERM, how long requests in flight may run before the router stops."
+    )
     migration_wait_s: float = Field(
         default=60.0, ge=0, description="How long a migrating request waits for a live worker (a restart, say)."
     )

@@ -117,8 +117,11 @@ def _serve(args: argparse.Namespace) -> int:
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        print("serving; Ctrl-C stops", file=sys.stderr)
+        print("serving; Ctrl-C or SIGTERM stops (requests in flight finish first)", file=sys.stderr, flush=True)
         stop.wait()
+        print("draining ...", file=sys.stderr, flush=True)
+        if not router.drain(config.router.shutdown_timeout_s):
+            print(f"{router._in_flight} requests still running after the timeout; stopping", file=sys.stderr)
         return 0
     finally:
         router.stop()

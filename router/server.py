@@ -90,6 +90,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         self.decisions: collections.Counter[str] = collections.Counter()
         self._slots = threading.BoundedSemaphore(settings.max_queued_requests)
         self._in_flight = 0
+        self._draining = False
         self._lock = threading.Lock()
         self.server: Server | None = None
 
@@ -102,6 +103,17 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         self.server = start_server(add, address, interceptors=[self.interceptor])
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
+
+    def drain(self, timeout_s: float) -> bool:
+        """Graceful shutdown's first half: health turns NOT_SERVING at once, new requests get
+        UNAVAILABLE, and requests in flight run to their end. True if they all ended in time."""
+        self._draining = True
+        if self.server is not None:
+            self.server.set_serving(False)
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._in_flight == 0
 
     def stop(self) -> None:
         if self.server is not None:
@@ -159,6 +171,9 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             except InvalidRequest as e:
                 status = "invalid"
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if self._draining:
+                status = "rejected"
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry elsewhere")
             if not self._slots.acquire(blocking=False):
                 status = "rejected"
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's admission queue is full; retry later")
