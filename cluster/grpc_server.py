@@ -47,9 +47,11 @@ def start_server(
     max_workers: int = 64,
     extra_options: Sequence[tuple[str, int]] = (),
     interceptors: Sequence[grpc.ServerInterceptor | None] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> Server:
     """Starts a server; `add_services(server)` registers the role's services and returns their full names.
-    `interceptors` (None entries skipped) see every call first: authentication."""
+    `interceptors` (None entries skipped) see every call first: authentication. With `credentials`
+    the port speaks TLS only."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers),
         options=[*message_options(max_message_bytes), *extra_options],
@@ -59,7 +61,7 @@ def start_server(
     checker = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind a gRPC server to {address}")
     server.start()

@@ -21,6 +21,7 @@ import grpc
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 
+from cluster import tls
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_transport import KVReceiver, SendStream
 from cluster.kv_wire import (
@@ -142,13 +143,14 @@ class GrpcSender:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued: int = 8,
         metadata: Sequence[tuple[str, str]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
         self.metadata = tuple(metadata)  # the cluster secret, when there is one
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self.max_queued = max_queued
-        self.channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self.channel = tls.channel(target, credentials, channel_options(max_message_bytes))
         self.stub = pb_grpc.KVTransferStub(self.channel)
 
     def open(self, header: KVHeader) -> SendStream:
@@ -219,8 +221,9 @@ class CollectiveSender(GrpcSender):
         timeout_s: float = 30.0,
         max_queued: int = 8,
         metadata: Sequence[tuple[str, str]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__(target, timeout_s, DEFAULT_MAX_MESSAGE_BYTES, max_queued, metadata)
+        super().__init__(target, timeout_s, DEFAULT_MAX_MESSAGE_BYTES, max_queued, metadata, credentials)
         self.groups = groups
 
     def open(self, header: KVHeader) -> SendStream:

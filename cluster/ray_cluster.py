@@ -36,6 +36,7 @@ import ray
 from ray.util.metrics import Counter, Gauge
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cluster import tls
 from cluster.auth import api_keys
 from cluster.config import ClusterConfig, dump_config
 from cluster.pool_controller import PoolController
@@ -161,7 +162,7 @@ class _RayWorkers:
         if self.router is None:
             return
         try:
-            with grpc.insecure_channel(self.router) as channel:
+            with tls.channel(self.router, tls.channel_credentials(self.config.auth)) as channel:
                 keys = api_keys(self.config.auth)
                 metadata = [("authorization", f"Bearer {keys[0].decode()}")] if keys else []
                 status = worker_pb2_grpc.AdminStub(channel).GetStatus(

@@ -31,6 +31,7 @@ from cluster.kv_wire import model_fingerprint
 from cluster.loader import load_model
 from cluster.request import params_from_proto
 from cluster.telemetry import Telemetry, extract
+from cluster.tls import server_credentials
 from cluster.tokenizer import Tokenizer
 from decode_worker.engine import Engine, RequestOutput
 from decode_worker.kv_intake import KVIntake
@@ -70,8 +71,10 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         groups: CollectiveGroups | None = None,
         telemetry: Telemetry | None = None,
         interceptor: grpc.ServerInterceptor | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.engine = engine
+        self.credentials = credentials  # mutual TLS, when configured
         self.interceptor = interceptor  # the cluster secret, when configured
         self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.intake = intake
@@ -96,8 +99,9 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             return ["tandem.v1.Worker", "tandem.v1.KVTransfer"]
 
         self.server = start_server(
-            add, address, extra_options=channel_options(256 << 20)[2:], interceptors=[self.interceptor]
-        )
+            add, address, extra_options=channel_options(256 << 20)[2:], interceptors=[self.interceptor],
+            credentials=self.credentials,
+        )  # fmt: skip
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self.intake.start()
         self._loop.start()
@@ -279,4 +283,5 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     )  # fmt: skip
     groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
-    return DecodeWorker(engine, intake, worker_id, groups, telemetry, cluster_secret(config.auth))
+    credentials = server_credentials(config.auth, internal=True)
+    return DecodeWorker(engine, intake, worker_id, groups, telemetry, cluster_secret(config.auth), credentials)

@@ -31,6 +31,7 @@ from cluster.loader import load_model
 from cluster.model_runner import num_kv_blocks
 from cluster.request import params_from_proto
 from cluster.telemetry import Telemetry, extract
+from cluster.tls import channel_credentials, server_credentials
 from cluster.tokenizer import Tokenizer
 from prefill_worker.engine import PrefillEngine, PrefillOutput
 
@@ -65,7 +66,10 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
             return ["tandem.v1.Worker"]
 
-        self.server = start_server(add, address, interceptors=[cluster_secret(self.auth)])
+        self.server = start_server(
+            add, address, interceptors=[cluster_secret(self.auth)],
+            credentials=server_credentials(self.auth, internal=True),
+        )  # fmt: skip
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self._loop.start()
         return self.server.address
@@ -191,11 +195,12 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         sender = self._senders.get(target)
         if sender is None:
             t = self.transfer
-            metadata = secret_metadata(self.auth)
+            metadata, creds = secret_metadata(self.auth), channel_credentials(self.auth)
             if t.transport == "collective":
-                sender = CollectiveSender(target, self.groups, t.timeout_s, t.max_queued_chunks, metadata)
+                sender = CollectiveSender(target, self.groups, t.timeout_s, t.max_queued_chunks, metadata, creds)
             else:
-                sender = GrpcSender(target, t.timeout_s, t.max_message_mib << 20, t.max_queued_chunks, metadata)
+                mib = t.max_message_mib << 20
+                sender = GrpcSender(target, t.timeout_s, mib, t.max_queued_chunks, metadata, creds)
             self._senders[target] = sender
         return sender
 

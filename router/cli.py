@@ -8,6 +8,7 @@ tandem generate --model DIR --prompt TEXT     complete a prompt in this process,
 tandem status [--target HOST:PORT]            pools, workers, KV use, queues, placement counters
 tandem bench [--target HOST:PORT | --config FILE] [--rate R]   serving metrics (TTFT, TPOT, ITL, goodput)
 tandem scale POOL N|auto [--target HOST:PORT] hold a pool at N workers by hand / hand it back
+tandem certs --out DIR                        a development CA and certificate for TLS
 tandem model init --preset tiny --out DIR     write a random-weight model folder
 tandem config check FILE                      validate a cluster config file
 
@@ -68,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="run this model folder in this process instead")
     gen.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default: 120)")
     gen.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
+    gen.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
     add_generate_options(gen)
     gen.set_defaults(run=_generate)
 
@@ -82,11 +84,18 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("replicas", help="workers to hold the pool at, or 'auto' to clear the override")
     scale.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
     scale.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
+    scale.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
+
+    certs = commands.add_parser("certs", help="write a development CA and certificate for TLS (not for production)")
+    certs.add_argument("--out", required=True, help="folder for ca.pem, cert.pem, key.pem")
+    certs.add_argument("--days", type=int, default=30, help="validity (default: 30 days)")
+    certs.set_defaults(run=_certs)
     scale.set_defaults(run=_scale)
 
     status = commands.add_parser("status", help="show pools, workers, KV use, queues and placement counters")
     status.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
     status.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
+    status.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
     status.set_defaults(run=_status)
 
     add_commands(commands)
@@ -111,7 +120,8 @@ def _serve(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             keys = api_keys(config.auth)
             key = keys[0].decode() if keys else None
-            _stream(address, args.prompt, api_key=key, max_tokens=args.max_tokens, temperature=0.0)
+            ca = str(config.auth.tls_ca) if config.auth.tls_cert and config.auth.tls_ca else None
+            _stream(address, args.prompt, api_key=key, tls_ca=ca, max_tokens=args.max_tokens, temperature=0.0)
             if not args.keep_serving:
                 return 0
         stop = threading.Event()
@@ -139,12 +149,12 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     messages = [{"role": "user", "content": prompt}] if args.chat else prompt
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    _stream(args.target, messages, timeout=args.timeout, api_key=args.api_key, **sampling)
+    _stream(args.target, messages, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca, **sampling)
     return 0
 
 
-def _stream(target: str, prompt, timeout: float = 120.0, api_key: str | None = None, **sampling) -> None:  # type: ignore[no-untyped-def]
-    with Client(target, api_key=api_key, timeout=timeout) as client:
+def _stream(target: str, prompt, timeout=120.0, api_key=None, tls_ca=None, **sampling) -> None:  # type: ignore[no-untyped-def]
+    with Client(target, api_key=api_key, timeout=timeout, tls_ca=tls_ca) as client:
         if isinstance(prompt, str):
             print(prompt, end="", flush=True)
         reason = None
@@ -152,6 +162,22 @@ def _stream(target: str, prompt, timeout: float = 120.0, api_key: str | None = N
             print(delta.text, end="", flush=True)
             reason = delta.finish_reason or reason
         print(f"\n[finish: {reason}]", file=sys.stderr)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from cluster.tls import generate_dev_certs
+
+    paths = generate_dev_certs(args.out, args.days)
+    print(f"wrote {paths['ca']}, {paths['cert']} and {paths['key']} (127.0.0.1 and localhost; development only)")
+    print(f"config: auth: {{tls_cert: {paths['cert']}, tls_key: {paths['key']}, tls_ca: {paths['ca']}}}")
+    return 0
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if args.tls_ca is None:
+        return grpc.insecure_channel(args.target)
+    with open(args.tls_ca, "rb") as f:
+        return grpc.secure_channel(args.target, grpc.ssl_channel_credentials(root_certificates=f.read()))
 
 
 def _key(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -162,7 +188,7 @@ def _scale(args: argparse.Namespace) -> int:
     request = worker_pb2.ScaleRequest(pool=args.pool)
     if args.replicas != "auto":
         request.replicas = int(args.replicas)
-    with grpc.insecure_channel(args.target) as channel:
+    with _channel(args) as channel:
         try:
             pool = worker_pb2_grpc.AdminStub(channel).Scale(request, timeout=60, metadata=_key(args)).pool
         except grpc.RpcError as e:
@@ -178,7 +204,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    channel = grpc.insecure_channel(args.target)
+    channel = _channel(args)
     try:
         status = worker_pb2_grpc.AdminStub(channel).GetStatus(
             worker_pb2.GetStatusRequest(), timeout=10, metadata=_key(args)

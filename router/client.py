@@ -109,6 +109,11 @@ class Completion:
     metadata: dict[str, str]  # the router's placement: "tandem-prefill", "tandem-decode", ...
 
 
+def _credentials(tls_ca: str) -> grpc.ChannelCredentials:
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
 def _error(e: grpc.RpcError) -> TandemError:
     code = e.code()
     return _ERRORS.get(code, TandemError)(code, e.details() or "")
@@ -162,6 +167,7 @@ class Client:
     `api_key` is sent as `authorization: Bearer <key>` metadata. `timeout` is the default
     deadline of each call in seconds; `retries` how many times a call that fails with
     UNAVAILABLE before its first token is tried again, waiting `backoff_s`, then twice that, ...
+    `tls_ca` (a PEM file) makes the connection TLS, trusting that CA.
     """
 
     def __init__(
@@ -171,13 +177,17 @@ class Client:
         timeout: float | None = 60.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        tls_ca: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(target)
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(target)
+        else:
+            self._channel = grpc.secure_channel(target, _credentials(tls_ca))
         self._stub = api_pb2_grpc.TandemStub(self._channel)
 
     def generate(
@@ -261,13 +271,17 @@ class AsyncClient:
         timeout: float | None = 60.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        tls_ca: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.aio.insecure_channel(target)
+        if tls_ca is None:
+            self._channel = grpc.aio.insecure_channel(target)
+        else:
+            self._channel = grpc.aio.secure_channel(target, _credentials(tls_ca))
         self._stub = api_pb2_grpc.TandemStub(self._channel)
 
     async def generate(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cluster import tls
 from cluster.grpc_server import message_options
 
 
@@ -25,8 +26,13 @@ class WorkerPool:
     """The workers the router can reach, refreshed from `discover()` (name -> "host:port")."""
 
     def __init__(
-        self, discover: Callable[[], dict[str, str]], refresh_s: float = 1.0, metadata: Sequence[tuple[str, str]] = ()
+        self,
+        discover: Callable[[], dict[str, str]],
+        refresh_s: float = 1.0,
+        metadata: Sequence[tuple[str, str]] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        self.credentials = credentials  # mutual TLS to the workers, when configured
         self.discover = discover
         self.metadata = list(metadata)  # the cluster secret on every call to a worker
         self.refresh_s = refresh_s
@@ -69,6 +75,6 @@ class WorkerPool:
                 self._workers.pop(name).channel.close()
         for name, address in found.items():
             if name not in self._workers:
-                channel = grpc.insecure_channel(address, options=message_options())
+                channel = tls.channel(address, self.credentials, message_options())
                 self._workers[name] = _Worker(name, address, channel, worker_pb2_grpc.WorkerStub(channel))
         self._checked = time.monotonic()

@@ -35,6 +35,7 @@ from cluster.grpc_server import Server, start_server
 from cluster.request import SamplingParams, params_to_proto
 from cluster.slo import RequestTiming, SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
+from cluster.tls import channel_credentials, server_credentials
 from cluster.tokenizer import Tokenizer
 from router.placement import Choice, NoCapacity, choose
 from router.pool import WorkerPool
@@ -79,8 +80,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         telemetry: Telemetry,
         pools: PoolAdmin | None = None,
         interceptor: grpc.ServerInterceptor | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.settings = settings
+        self.credentials = credentials  # TLS on the public port, when configured
         self.interceptor = interceptor  # client API keys, when configured
         self.pools = pools
         self.telemetry = telemetry
@@ -100,7 +103,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             worker_pb2_grpc.add_AdminServicer_to_server(self, server)
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
-        self.server = start_server(add, address, interceptors=[self.interceptor])
+        self.server = start_server(add, address, interceptors=[self.interceptor], credentials=self.credentials)
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
 
@@ -457,6 +460,7 @@ def from_config(
         migration_limit=config.router.migration_limit,
         migration_wait_s=config.router.migration_wait_s,
     )
-    pool = WorkerPool(discover, metadata=secret_metadata(config.auth))
+    pool = WorkerPool(discover, metadata=secret_metadata(config.auth), credentials=channel_credentials(config.auth))
     telemetry = Telemetry(config.telemetry, "tandem-router")
-    return Router(settings, tokenizer, pool, telemetry, pools, client_keys(config.auth))
+    credentials = server_credentials(config.auth, internal=False)
+    return Router(settings, tokenizer, pool, telemetry, pools, client_keys(config.auth), credentials)

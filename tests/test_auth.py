@@ -125,3 +125,41 @@ def test_kv_pushes_need_a_genuine_capability_for_their_request(cluster):
     assert good.state is TransferState.DONE, good.error
     assert decode._cancel("r")
     assert decode.engine.scheduler.blocks.num_free_blocks == 64
+
+
+def test_tls_and_mutual_tls_with_the_generated_certificates(tmp_path):
+    from cluster.tls import generate_dev_certs
+
+    certs = generate_dev_certs(tmp_path / "certs")
+    config = parse_config(
+        {
+            "model": {"path": str(DEMO), "dtype": "float32"},
+            "cache": {"block_size": 16, "num_blocks": 64},
+            "router": {"local_prefill_max_tokens": 4},
+            "auth": {"tls_cert": str(certs["cert"]), "tls_key": str(certs["key"]), "tls_ca": str(certs["ca"])},
+        }
+    )
+    decode = decode_service.from_config(config, "decode-0")
+    prefill = prefill_service.from_config(config, "prefill-0")
+    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
+    router = router_server.from_config(config, lambda: workers)
+    address = router.start()
+    try:
+        with Client(address, tls_ca=str(certs["ca"])) as client:  # the KV crosses the mutual-TLS channel
+            done = client.generate(list(range(10, 40)), max_tokens=3, temperature=0)
+        assert len(done.token_ids) == 3 and done.metadata["tandem-prefill"].startswith("remote")
+        with Client(address, retries=0, timeout=5) as plaintext, pytest.raises(Exception) as e:
+            plaintext.generate("x", max_tokens=1)
+        assert type(e.value).__name__ == "Unavailable"
+        ca = certs["ca"].read_bytes()
+        no_client_cert = grpc.secure_channel(workers["decode-0"], grpc.ssl_channel_credentials(root_certificates=ca))
+        with pytest.raises(grpc.RpcError) as refused:
+            worker_pb2_grpc.WorkerStub(no_client_cert).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE, "workers demand a client certificate"
+        mutual = grpc.ssl_channel_credentials(ca, certs["key"].read_bytes(), certs["cert"].read_bytes())
+        with grpc.secure_channel(workers["decode-0"], mutual) as channel:
+            assert worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5).role == "decode"
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
