@@ -69,6 +69,14 @@ class SchedulerConfig(_Part):
         gt=0,
         description="Longest prompt chunk per step on a decode worker, so running decodes never stall long.",
     )
+    max_waiting: int = Field(
+        default=256, gt=0, description="Most requests waiting on one worker; more get RESOURCE_EXHAUSTED at once."
+    )
+    wedged_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A worker whose engine makes no progress this long while it holds work reports NOT_SERVING.",
+    )
 
 
 class TransferConfig(_Part):

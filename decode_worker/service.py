@@ -33,6 +33,7 @@ from cluster.request import params_from_proto
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import server_credentials
 from cluster.tokenizer import Tokenizer
+from cluster.watchdog import Watchdog
 from decode_worker.engine import Engine, RequestOutput
 from decode_worker.kv_intake import KVIntake
 
@@ -72,8 +73,10 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         telemetry: Telemetry | None = None,
         interceptor: grpc.ServerInterceptor | None = None,
         credentials: grpc.ServerCredentials | None = None,
+        wedged_after_s: float = 30.0,
     ) -> None:
         self.engine = engine
+        self.watchdog = Watchdog(lambda: self.engine.has_unfinished, self._on_wedge, wedged_after_s)
         self.credentials = credentials  # mutual TLS, when configured
         self.interceptor = interceptor  # the cluster secret, when configured
         self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
@@ -105,11 +108,13 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self.intake.start()
         self._loop.start()
+        self.watchdog.start()
         return self.server.address
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.watchdog.stop()
         self.intake.close()
         if self.server is not None:
             self.server.stop(None)
@@ -131,6 +136,9 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             params = params_from_proto(request.sampling)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        waiting = len(self.engine.scheduler.waiting) + self.intake.in_flight
+        if waiting >= self.engine.scheduler.config.max_waiting:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker_id} has {waiting} requests waiting")
         stream: queue.Queue[RequestOutput | None] = queue.Queue()
         with self._lock:
             if rid in self._streams:
@@ -196,6 +204,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             total_kv_blocks=s.blocks.num_blocks,
             draining=self._draining,
             metrics_address=self.telemetry.metrics.address or "",
+            wedged=self.watchdog.wedged,
         )
 
     # -- internals ---------------------------------------------------------------------------------
@@ -220,6 +229,10 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             gen_ai__response__finish_reasons=[reason or "abort"], tandem__prefill_mode="remote" if remote else "local",
         )  # fmt: skip
 
+    def _on_wedge(self, wedged: bool) -> None:
+        if self.server is not None:
+            self.server.set_serving(not wedged and not self._draining)
+
     def _cancel(self, rid: str) -> bool:
         """Aborts `rid` wherever it is: running, waiting, or its KV still on the way."""
         self._forget(rid)
@@ -236,6 +249,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.watchdog.progress()
             if not self.engine.has_unfinished:
                 self._wake.wait(0.005)  # transfers admit sequences without waking us; poll briefly
                 self._wake.clear()
@@ -284,4 +298,6 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
     credentials = server_credentials(config.auth, internal=True)
-    return DecodeWorker(engine, intake, worker_id, groups, telemetry, cluster_secret(config.auth), credentials)
+    secret = cluster_secret(config.auth)
+    wedged = config.scheduler.wedged_after_s
+    return DecodeWorker(engine, intake, worker_id, groups, telemetry, secret, credentials, wedged)

@@ -33,6 +33,7 @@ from cluster.request import params_from_proto
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
 from cluster.tokenizer import Tokenizer
+from cluster.watchdog import Watchdog
 from prefill_worker.engine import PrefillEngine, PrefillOutput
 
 
@@ -45,8 +46,10 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         device: str = "cpu",
         telemetry: Telemetry | None = None,
         auth: AuthConfig | None = None,
+        wedged_after_s: float = 30.0,
     ) -> None:
         self.engine = engine
+        self.watchdog = Watchdog(lambda: self.engine.scheduler.has_work, self._on_wedge, wedged_after_s)
         self.auth = auth or AuthConfig()
         self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.transfer = transfer
@@ -72,11 +75,13 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         )  # fmt: skip
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self._loop.start()
+        self.watchdog.start()
         return self.server.address
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.watchdog.stop()
         if self.server is not None:
             self.server.stop(None)
         for sender in self._senders.values():
@@ -100,6 +105,9 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             params = params_from_proto(request.sampling)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting >= self.engine.scheduler.config.max_waiting:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker_id} has {waiting} prompts waiting")
         waiter: Future[tuple[PrefillOutput, float, float]] = Future()
         with self._lock:
             try:
@@ -166,6 +174,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             total_kv_blocks=stats.total_blocks,
             draining=self._draining,
             metrics_address=self.telemetry.metrics.address or "",
+            wedged=self.watchdog.wedged,
         )
 
     # -- internals ---------------------------------------------------------------------------------
@@ -191,6 +200,10 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         else:
             m.transfer_failures.labels(error.code.name).inc()
 
+    def _on_wedge(self, wedged: bool) -> None:
+        if self.server is not None:
+            self.server.set_serving(not wedged and not self._draining)
+
     def _sender(self, target: str) -> KVSender:
         sender = self._senders.get(target)
         if sender is None:
@@ -214,6 +227,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.watchdog.progress()
             with self._lock:
                 busy = self.engine.scheduler.has_work
                 try:
@@ -248,4 +262,5 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     num_blocks = num_kv_blocks(model, config.cache)
     engine = PrefillEngine(model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
-    return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry, config.auth)
+    wedged = config.scheduler.wedged_after_s
+    return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry, config.auth, wedged)

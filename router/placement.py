@@ -41,7 +41,9 @@ def choose(
     queue_slack_tokens: int = 2048,
 ) -> Choice:
     decode = choose_decode(len(prompt) + max_tokens, loads, block_size)
-    prefills = {name: load for name, load in loads.items() if load.role == "prefill" and not load.draining}
+    prefills = {
+        name: load for name, load in loads.items() if load.role == "prefill" and not load.draining and not load.wedged
+    }
     if len(prompt) <= local_prefill_max_tokens:
         return Choice(decode, None, "local:short-prompt")
     if not prefills:
@@ -58,7 +60,7 @@ def choose_decode(num_tokens: int, loads: dict[str, worker_pb2.WorkerLoad], bloc
     fits = [
         name
         for name, load in loads.items()
-        if load.role == "decode" and not load.draining and load.total_kv_blocks >= needed
+        if load.role == "decode" and not load.draining and not load.wedged and load.total_kv_blocks >= needed
     ]
     if not fits:
         raise NoCapacity(f"no decode worker can hold {needed} KV blocks")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -86,6 +87,29 @@ def test_overload_is_refused_before_the_stream_and_leaks_nothing():
         assert router._in_flight == 0
         assert decode.engine.scheduler.blocks.num_free_blocks == 256, "KV blocks back to idle"
         assert not decode._streams and not decode.engine.has_unfinished
+    finally:
+        stop()
+
+
+def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
+    address, router, decode, stop = start_cluster(
+        scheduler={"max_waiting": 1, "max_num_seqs": 2}, router={"local_prefill_max_tokens": 100}
+    )
+    try:
+        stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+        results = {}
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, generate(stub, [9 + i, 10, 11], 60)))
+            for i in range(12)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = [r for r in results.values() if r[1] is not None]
+        assert refused and all(c is grpc.StatusCode.RESOURCE_EXHAUSTED and n == 0 for _, c, n in refused)
+        assert all(len(t) == 60 for t, c, _ in results.values() if c is None)
+        assert decode.engine.scheduler.blocks.num_free_blocks == 256 and router._in_flight == 0
     finally:
         stop()
 
@@ -192,3 +216,43 @@ def test_malformed_bytes_are_invalid_argument_and_oversize_is_refused(fuzz_targe
             list(raw(b"\x12" + b"\xff\xff\xff\x7f" + b"a" * (300 << 20), timeout=30))
         assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert decode.engine.scheduler.blocks.num_free_blocks == 256
+
+
+def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from router.placement import NoCapacity, choose_decode
+
+    address, router, decode, stop = start_cluster(
+        scheduler={"wedged_after_s": 0.5}, router={"local_prefill_max_tokens": 100}
+    )
+    release = threading.Event()
+    step = decode.engine.step
+    decode.engine.step = lambda: (release.wait(), step())[1]  # the engine hangs on its next step
+    try:
+        stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+        stuck = threading.Thread(target=generate, args=(stub, [5, 6, 7], 5))
+        stuck.start()
+        worker_health = health_pb2_grpc.HealthStub(grpc.insecure_channel(decode.server.address))
+        deadline = time.monotonic() + 10
+        while (
+            worker_health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            != health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
+            assert time.monotonic() < deadline, "a wedged engine must turn its health NOT_SERVING"
+            time.sleep(0.05)
+        assert decode.load().wedged
+        with pytest.raises(NoCapacity):
+            choose_decode(16, router.pool.loads(), 16)  # the router places nothing there
+        release.set()
+        stuck.join(60)
+        deadline = time.monotonic() + 10
+        while (
+            worker_health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            != health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline, "health recovers once the engine steps again"
+            time.sleep(0.05)
+    finally:
+        release.set()
+        stop()

@@ -58,7 +58,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address")
+    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class WorkerLoad(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEDGED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_seqs: int
@@ -77,7 +78,8 @@ class WorkerLoad(_message.Message):
     total_kv_blocks: int
     draining: bool
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    wedged: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
