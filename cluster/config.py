@@ -220,6 +220,12 @@ class AuthConfig(_Part):
 class RouterConfig(_Part):
     host: str = Field(default="127.0.0.1", description="Address the public gRPC server binds.")
     port: int = Field(default=50051, ge=0, le=65535, description="Public gRPC port (0 picks a free one).")
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the OpenAI-compatible HTTP face on router.host (0 picks a free one); unset: none.",
+    )
     max_queued_requests: int = Field(
         default=256, gt=0, description="Requests waiting for a worker before new ones get RESOURCE_EXHAUSTED."
     )

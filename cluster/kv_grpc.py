@@ -31,6 +31,7 @@ from cluster.kv_wire import (
     TransferError,
     WireChunk,
     decode_chunk,
+    decode_commit,
     decode_header,
     deserialize,
     serialize,
@@ -69,7 +70,7 @@ class KVTransferService(pb_grpc.KVTransferServicer):
                 elif isinstance(message, WireChunk):
                     self.receiver.write(transfer, self._chunk(header, message))
                 elif isinstance(message, pb.KVCommit):
-                    num_blocks = self.receiver.commit(transfer, message.first_token)
+                    num_blocks = self.receiver.commit(transfer, decode_commit(message))
                     return pb.KVTransferResult(accepted=True, num_blocks=num_blocks)
                 else:
                     raise TransferError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one transfer")

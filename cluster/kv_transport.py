@@ -47,8 +47,8 @@ class KVReceiver(Protocol):
 
     def write(self, transfer: object, chunk: KVChunk) -> None: ...
 
-    def commit(self, transfer: object, first_token: int) -> int:
-        """Admits the sequence; returns the number of blocks it holds."""
+    def commit(self, transfer: object, commit: KVCommit) -> int:
+        """Admits the sequence with the prefill worker's first token; returns the blocks it holds."""
         ...
 
     def fail(self, transfer: object, error: TransferError) -> None: ...
@@ -81,8 +81,10 @@ class SendStream:
         self.bytes_sent += chunk.nbytes
         self._put(chunk)
 
-    def commit(self, first_token: int) -> None:
-        self._put(KVCommit(first_token))
+    def commit(
+        self, first_token: int, logprob: float | None = None, top_logprobs: tuple[tuple[int, float], ...] = ()
+    ) -> None:
+        self._put(KVCommit(first_token, logprob, tuple(top_logprobs)))
 
     def abort(self) -> None:
         """Stops the transfer without a commit; the receiver frees what it reserved."""
@@ -165,7 +167,7 @@ class _LocalStream(SendStream):
             elif isinstance(message, KVChunk):
                 self.receiver.write(transfer, message)
             else:
-                return self.receiver.commit(transfer, message.first_token)
+                return self.receiver.commit(transfer, message)
         error = TransferError(grpc.StatusCode.CANCELLED, "the sender stopped before its commit")
         if transfer is not None:
             self.receiver.fail(transfer, error)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from tandem.v1 import api_pb2
 from tandem.v1 import kv_transfer_pb2 as pb
 
 from cluster.request import SamplingParams, params_from_proto, params_to_proto
@@ -92,6 +93,8 @@ class KVChunk:
 @dataclass(frozen=True)
 class KVCommit:
     first_token: int
+    logprob: float | None = None  # with the top alternatives, when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 Message = KVHeader | KVChunk | KVCommit
@@ -229,7 +232,17 @@ def decode_chunk(m: pb.KVChunk | WireChunk, header: KVHeader) -> KVChunk:
 
 
 def encode_commit(c: KVCommit) -> pb.KVTransferMessage:
-    return pb.KVTransferMessage(commit=pb.KVCommit(first_token=c.first_token))
+    m = pb.KVCommit(
+        first_token=c.first_token, top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in c.top_logprobs]
+    )
+    if c.logprob is not None:
+        m.logprob = c.logprob
+    return pb.KVTransferMessage(commit=m)
+
+
+def decode_commit(m: pb.KVCommit) -> KVCommit:
+    logprob = m.logprob if m.HasField("logprob") else None
+    return KVCommit(m.first_token, logprob, tuple((t.token_id, t.logprob) for t in m.top))
 
 
 def encode(message: Message, inline: bool = True) -> pb.KVTransferMessage:

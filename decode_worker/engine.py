@@ -121,7 +121,14 @@ class Engine:
                 self._reserved.discard(request_id)
                 self.scheduler.blocks.free(request_id)
 
-    def admit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, first_token: int) -> None:
+    def admit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        first_token: int,
+        logprob: tuple[float, list[tuple[int, float]]] | None = None,
+    ) -> None:
         """Puts a reserved sequence whose KV has fully landed into the running batch."""
         request = Request(request_id, list(prompt_token_ids), params)
         with self.lock:
@@ -132,7 +139,7 @@ class Engine:
             stream = self._open_stream(request)
             if stream.generator is not None and not params.greedy:
                 self.runner.sampler.skip(stream.generator)
-            self._pending.append(self._output(request, first_token, None))
+            self._pending.append(self._output(request, first_token, logprob))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Queues a request; raises ValueError (nothing queued) if it can never run here."""

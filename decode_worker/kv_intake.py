@@ -28,7 +28,7 @@ import torch
 
 from cluster.auth import verify_capability
 from cluster.kv_transport import TransferState
-from cluster.kv_wire import DTYPE_NAMES, KVChunk, KVHeader, TransferError, verify_chunk
+from cluster.kv_wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferError, verify_chunk
 from decode_worker.engine import Engine
 
 
@@ -117,7 +117,7 @@ class KVIntake:
             self.fail(transfer, e)
             raise
 
-    def commit(self, transfer: Transfer, first_token: int) -> int:
+    def commit(self, transfer: Transfer, commit: KVCommit) -> int:
         header = transfer.header
         try:
             with transfer.lock:
@@ -126,7 +126,8 @@ class KVIntake:
                 if missing:
                     raise TransferError(grpc.StatusCode.DATA_LOSS, f"commit with {missing} layers never received")
                 num_blocks = len(self.engine.scheduler.blocks.block_table(header.request_id))
-                self.engine.admit(header.request_id, header.token_ids, header.sampling, first_token)
+                logprob = None if commit.logprob is None else (commit.logprob, list(commit.top_logprobs))
+                self.engine.admit(header.request_id, header.token_ids, header.sampling, commit.first_token, logprob)
                 transfer.state = TransferState.DONE
         except TransferError as e:
             self.fail(transfer, e)

@@ -143,7 +143,11 @@ class PrefillEngine:
         for i, request in enumerate(self.scheduler.update(plan)):
             job = self._jobs[request.request_id]
             assert job.stream is not None
-            job.stream.commit(result.token_ids[i])
+            top = result.top_logprobs[i] if result.top_logprobs is not None else []
+            logprob = (
+                result.logprobs[i] if result.logprobs is not None and request.params.logprobs is not None else None
+            )
+            job.stream.commit(result.token_ids[i], logprob, tuple(top))
             job.lease_deadline = now + self.transfer.lease_s
             logprob = result.logprobs[i] if result.logprobs is not None else None
             top = result.top_logprobs[i] if result.top_logprobs is not None else []

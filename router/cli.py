@@ -115,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         address = router.start(f"{config.router.host}:{port}")
         cluster.set_router(address)
+        http = _start_http(config, router, address)
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
         if args.prompt is not None:
@@ -134,9 +135,25 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{router._in_flight} requests still running after the timeout; stopping", file=sys.stderr)
         return 0
     finally:
+        if "http" in locals() and http is not None:
+            http.stop()
         router.stop()
         cluster.shutdown()
         print("stopped", file=sys.stderr)
+
+
+def _start_http(config, router, address):  # type: ignore[no-untyped-def]
+    """The OpenAI-compatible face, when `router.http_port` is set."""
+    if config.router.http_port is None:
+        return None
+    from cluster.tls import channel_credentials
+    from router.http import HTTPServer, create_app
+
+    creds = channel_credentials(config.auth) if config.auth.tls_cert else None
+    app = create_app(address, config.model.served_name, router.telemetry.metrics.registry, creds)
+    http = HTTPServer(app, config.router.host, config.router.http_port)
+    print(f"OpenAI-compatible HTTP at http://{http.start()}/v1", file=sys.stderr)
+    return http
 
 
 def _generate(args: argparse.Namespace) -> int:

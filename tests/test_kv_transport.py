@@ -22,6 +22,7 @@ from cluster.kv_wire import (
     KVHeader,
     WireChunk,
     decode_chunk,
+    decode_commit,
     decode_header,
     deserialize,
     encode,
@@ -68,7 +69,7 @@ class _WireStream(SendStream):
             elif m.HasField("chunk"):
                 self.receiver.write(transfer, decode_chunk(m.chunk, header))
             else:
-                return self.receiver.commit(transfer, m.commit.first_token)
+                return self.receiver.commit(transfer, decode_commit(m.commit))
         raise AssertionError("stream ended without a commit")
 
 

@@ -54,10 +54,14 @@ class KVChunk(_message.Message):
     def __init__(self, layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("first_token",)
+    __slots__ = ("first_token", "logprob", "top")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     first_token: int
-    def __init__(self, first_token: _Optional[int] = ...) -> None: ...
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[_api_pb2.TopLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[_api_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVTransferMessage(_message.Message):
     __slots__ = ("header", "chunk", "commit")
