@@ -93,17 +93,24 @@ def test_overload_is_refused_before_the_stream_and_leaks_nothing():
 
 def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
     address, router, decode, stop = start_cluster(
-        scheduler={"max_waiting": 1, "max_num_seqs": 2}, router={"local_prefill_max_tokens": 100}
+        scheduler={"max_waiting": 2, "max_num_seqs": 2}, router={"local_prefill_max_tokens": 100}
     )
+    release = threading.Event()
+    step = decode.engine.step
+    decode.engine.step = lambda: (release.wait(), step())[1]  # hold the engine while the queue fills
     try:
         stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
         results = {}
         threads = [
             threading.Thread(target=lambda i=i: results.__setitem__(i, generate(stub, [9 + i, 10, 11], 60)))
-            for i in range(12)
+            for i in range(8)
         ]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 30
+        while len(results) < 8 - 3 and time.monotonic() < deadline:  # 2 waiting + 1 in the held step
+            time.sleep(0.05)
+        release.set()
         for t in threads:
             t.join()
         refused = [r for r in results.values() if r[1] is not None]
@@ -111,6 +118,7 @@ def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
         assert all(len(t) == 60 for t, c, _ in results.values() if c is None)
         assert decode.engine.scheduler.blocks.num_free_blocks == 256 and router._in_flight == 0
     finally:
+        release.set()
         stop()
 
 
