@@ -41,7 +41,7 @@ def served():
     grpc_address = router.start()
     http = HTTPServer(create_app(grpc_address, "tandem-demo-code", router.telemetry.metrics.registry), "127.0.0.1", 0)
     base = f"http://{http.start()}"
-    yield base, grpc_address, decode
+    yield base, grpc_address, decode, router
     http.stop()
     router.stop()
     prefill.stop()
@@ -62,7 +62,7 @@ def client(base: str, key: str = KEY) -> openai.OpenAI:
 
 
 def test_completions_match_the_grpc_api(served):
-    base, grpc_address, _ = served
+    base, grpc_address, _, _ = served
     done = client(base).completions.create(
         model="tandem-demo-code", prompt="def add(a, b):", max_tokens=12, temperature=0
     )
@@ -78,7 +78,7 @@ def test_completions_match_the_grpc_api(served):
 
 
 def test_chat_streamed_equals_whole_with_usage_n_and_logprobs(served):
-    base, _, _ = served
+    base, _, _, _ = served
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     whole = client(base).chat.completions.create(
         model="tandem-demo-code", messages=messages, max_completion_tokens=10, temperature=0, n=2, logprobs=True,
@@ -101,7 +101,7 @@ def test_chat_streamed_equals_whole_with_usage_n_and_logprobs(served):
 
 
 def test_errors_have_openais_shape_and_status(served):
-    base, _, _ = served
+    base, _, _, _ = served
     with pytest.raises(openai.BadRequestError) as bad:
         client(base).completions.create(model="tandem-demo-code", prompt="x", max_tokens=4, temperature=-1)
     assert "temperature" in bad.value.message
@@ -115,7 +115,7 @@ def test_errors_have_openais_shape_and_status(served):
 
 
 def test_overload_is_429_with_retry_after_before_any_stream(served):
-    base, _, _ = served
+    base, _, _, router = served
     stop = threading.Event()
 
     def hold() -> None:  # keep the router's four admission slots busy
@@ -128,7 +128,10 @@ def test_overload_is_429_with_retry_after_before_any_stream(served):
     holders = [threading.Thread(target=hold) for _ in range(4)]
     for t in holders:
         t.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30
+    while router._in_flight < 4:  # every admission slot taken
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     try:
         conn, response = raw(base, "POST", "/v1/completions", {"prompt": "y = 2", "max_tokens": 4, "stream": True})
         assert response.status == 429 and response.getheader("retry-after")
@@ -141,7 +144,7 @@ def test_overload_is_429_with_retry_after_before_any_stream(served):
 
 
 def test_a_client_that_disconnects_frees_its_kv(served):
-    base, _, decode = served
+    base, _, decode, _ = served
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600, "stream": True, "ignore_eos": True}
     conn, response = raw(base, "POST", "/v1/chat/completions", body)
     assert response.status == 200 and response.readline().startswith(b"data: ")
@@ -155,7 +158,7 @@ def test_a_client_that_disconnects_frees_its_kv(served):
 
 
 def test_models_health_and_metrics(served):
-    base, _, _ = served
+    base, _, _, _ = served
     assert [m.id for m in client(base).models.list()] == ["tandem-demo-code"]
     conn, health = raw(base, "GET", "/health", key=None)
     assert health.status == 200
