@@ -111,8 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
-    router = from_config(config, cluster.discover, cluster)
+    router, http = None, None
     try:
+        router = from_config(config, cluster.discover, cluster)
         address = router.start(f"{config.router.host}:{port}")
         cluster.set_router(address)
         http = _start_http(config, router, address)
@@ -132,12 +133,13 @@ def _serve(args: argparse.Namespace) -> int:
         stop.wait()
         print("draining ...", file=sys.stderr, flush=True)
         if not router.drain(config.router.shutdown_timeout_s):
-            print(f"{router._in_flight} requests still running after the timeout; stopping", file=sys.stderr)
+            print(f"{router.in_flight} requests still running after the timeout; stopping", file=sys.stderr)
         return 0
     finally:
-        if "http" in locals() and http is not None:
+        if http is not None:
             http.stop()
-        router.stop()
+        if router is not None:
+            router.stop()
         cluster.shutdown()
         print("stopped", file=sys.stderr)
 

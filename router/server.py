@@ -107,6 +107,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
 
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished."""
+        return self._in_flight
+
     def drain(self, timeout_s: float) -> bool:
         """Graceful shutdown's first half: health turns NOT_SERVING at once, new requests get
         UNAVAILABLE, and requests in flight run to their end. True if they all ended in time."""
