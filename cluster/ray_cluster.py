@@ -85,7 +85,11 @@ class WorkerActor:
             "queued_prompt_tokens": Gauge("tandem_queued_prompt_tokens", "Prompt tokens waiting.", tags),
         }
         while True:
-            load = self.worker.load()
+            try:
+                load = self.worker.load()
+            except Exception:  # a load read racing the engine: try again next round
+                time.sleep(interval_s)
+                continue
             values = {
                 "kv_cache_usage": 1 - load.free_kv_blocks / max(load.total_kv_blocks, 1),
                 "running_seqs": load.running_seqs,
@@ -142,7 +146,11 @@ class _RayWorkers:
             return None
 
     def drain(self, name: str) -> int:
-        return int(ray.get(self.actors[name].drain.remote(), timeout=30))
+        """What remains on the worker; -1 while it cannot answer (starting, restarting, pending)."""
+        try:
+            return int(ray.get(self.actors[name].drain.remote(), timeout=30))
+        except Exception:
+            return -1
 
     def stop(self, name: str) -> None:
         actor = self.actors.pop(name, None)
@@ -227,7 +235,10 @@ class PoolActor:
             self.ops.refresh_latency()
             with self._lock:
                 before = (self.controller.scale_ups, self.controller.scale_downs)
-                self.controller.tick()
+                try:
+                    self.controller.tick()
+                except Exception:  # one bad tick must not end autoscaling
+                    logging.getLogger("tandem.autoscaler").exception("%s pool: tick failed", self.controller.role)
                 after = (self.controller.scale_ups, self.controller.scale_downs)
             for direction, b, a in (("up", before[0], after[0]), ("down", before[1], after[1])):
                 if a > b:

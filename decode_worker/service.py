@@ -101,9 +101,13 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             server.add_generic_rpc_handlers((handlers(KVTransferService(self.intake, self.groups)),))
             return ["tandem.v1.Worker", "tandem.v1.KVTransfer"]
 
+        config = self.engine.scheduler.config
+        # A Submit holds its thread for the request's life: room for every sequence the worker may
+        # hold, plus transfers, loads and health checks, which must never queue behind them.
+        threads = config.max_num_seqs + config.max_waiting + 64
         self.server = start_server(
             add, address, extra_options=channel_options(256 << 20)[2:], interceptors=[self.interceptor],
-            credentials=self.credentials,
+            credentials=self.credentials, max_workers=threads,
         )  # fmt: skip
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self.intake.start()
@@ -147,31 +151,35 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             for out in self._early.pop(rid, []):
                 stream.put(out)
         finished = False
-        context.add_callback(lambda: None if finished else self._cancel(rid))
-        if not request.remote_prefill:
-            try:
-                self.engine.add_request(rid, list(request.prompt_token_ids), params)
-            except ValueError as e:
-                self._forget(rid)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self._wake.set()
-        first_at, tokens = None, 0
-        while context.is_active():
-            try:
-                out = stream.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if out is None:  # the engine failed
-                self._forget(rid)
-                context.abort(grpc.StatusCode.INTERNAL, "the decode engine failed; see the worker's log")
-            first_at = first_at or time.time()
-            tokens += len(out.token_ids)
-            finished = out.finished
-            yield tokens_message(out)
+        try:
+            if not context.is_active():
+                return  # cancelled or past its deadline before it started
+            if not request.remote_prefill:
+                try:
+                    self.engine.add_request(rid, list(request.prompt_token_ids), params)
+                except ValueError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                self._wake.set()
+            first_at, tokens = None, 0
+            while context.is_active():
+                try:
+                    out = stream.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if out is None:  # the engine failed
+                    context.abort(grpc.StatusCode.INTERNAL, "the decode engine failed; see the worker's log")
+                first_at = first_at or time.time()
+                tokens += len(out.token_ids)
+                finished = out.finished
+                yield tokens_message(out)
+                if finished:
+                    self._observe(parent, rid, request.remote_prefill, submitted, first_at, tokens, out.finish_reason)
+                    return
+        finally:  # however the call ends: a finished request is forgotten, anything else aborted
             if finished:
                 self._forget(rid)
-                self._observe(parent, rid, request.remote_prefill, submitted, first_at, tokens, out.finish_reason)
-                return
+            else:
+                self._cancel(rid, awaiting_kv=request.remote_prefill)
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
         return worker_pb2.AbortResult(found=self._cancel(request.request_id))
@@ -184,7 +192,10 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         if self.server is not None:
             self.server.set_serving(False)
         s = self.engine.scheduler
-        return worker_pb2.DrainResult(remaining_seqs=len(s.running) + len(s.waiting))
+        with self._lock:
+            streams = len(self._streams)  # includes remote-prefill requests still waiting for their KV
+        remaining = max(len(s.running) + len(s.waiting), streams) + self.intake.in_flight
+        return worker_pb2.DrainResult(remaining_seqs=remaining)
 
     def load(self) -> worker_pb2.WorkerLoad:
         s = self.engine.scheduler
@@ -199,7 +210,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             role="decode",
             running_seqs=len(s.running),
             waiting_seqs=len(s.waiting) + self.intake.in_flight,
-            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting)),
             free_kv_blocks=s.blocks.num_free_blocks,
             total_kv_blocks=s.blocks.num_blocks,
             draining=self._draining,
@@ -233,11 +244,11 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         if self.server is not None:
             self.server.set_serving(not wedged and not self._draining)
 
-    def _cancel(self, rid: str) -> bool:
+    def _cancel(self, rid: str, awaiting_kv: bool = True) -> bool:
         """Aborts `rid` wherever it is: running, waiting, or its KV still on the way."""
         self._forget(rid)
         found = self.engine.abort(rid)
-        if not found:
+        if not found and awaiting_kv:
             with self._lock:
                 self._abandoned.add(rid)  # if its transfer lands later, drop it then
         return found

@@ -69,9 +69,11 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
             return ["tandem.v1.Worker"]
 
+        config = self.engine.scheduler.config
         self.server = start_server(
             add, address, interceptors=[cluster_secret(self.auth)],
             credentials=server_credentials(self.auth, internal=True),
+            max_workers=config.max_num_seqs + config.max_waiting + 64,  # a Submit holds a thread
         )  # fmt: skip
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self._loop.start()

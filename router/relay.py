@@ -83,9 +83,10 @@ def watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:
         for msg in prefill_call:
             result["cached"] = msg.num_cached_tokens
     except grpc.RpcError as e:
-        if e.code() is not grpc.StatusCode.CANCELLED:
-            result["error"] = e
-            decode_call.cancel()
+        if e.code() is grpc.StatusCode.CANCELLED and result.get("cancelled"):
+            return  # the router cancelled it itself
+        result["error"] = e
+        decode_call.cancel()
 
 
 def describe(choice: Choice) -> str:

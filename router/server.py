@@ -103,7 +103,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             worker_pb2_grpc.add_AdminServicer_to_server(self, server)
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
-        self.server = start_server(add, address, interceptors=[self.interceptor], credentials=self.credentials)
+        self.server = start_server(
+            add, address, interceptors=[self.interceptor], credentials=self.credentials,
+            max_workers=self.settings.max_queued_requests + 64,  # a Generate holds a thread; room for admin
+        )  # fmt: skip
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
 
@@ -273,22 +276,30 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         metadata = [*self.pool.metadata, *trace_metadata(trace_context)]
         chunks: list[tuple[float, int]] = []
         outcome["chunks"] = chunks
+        sent_text: list[str] = []
         generated: list[int] = []
         cached: dict[str, int] = {}
+        carry = ""  # text the failed worker held back (a possible stop string, a partial character)
+        worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
         for attempt in range(s.migration_limit + 1):
             if attempt:
+                if not context.is_active():
+                    outcome["status"] = "cancelled"
+                    return
                 try:
                     choice = self._place(prompt + generated, params.max_tokens - len(generated), s.migration_wait_s)
                 except NoCapacity as e:
                     outcome["status"] = "error"
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
             try:
-                for msg in self._attempt(f"{rid}.{attempt}", prompt + generated, rest_of(params, len(generated)),
+                for msg in self._attempt(f"{worker_id}.{attempt}", prompt + generated, rest_of(params, len(generated)),
                                          choice, context, metadata, cached):  # fmt: skip
                     chunks.append((time.time(), len(msg.token_ids)))
                     generated += msg.token_ids
+                    text, carry = carry + msg.text, ""
+                    sent_text.append(text)
                     last = api_pb2.GenerateResponse(
-                        request_id=rid, text=msg.text, token_ids=msg.token_ids, logprobs=msg.logprobs,
+                        request_id=rid, text=text, token_ids=msg.token_ids, logprobs=msg.logprobs,
                         finish_reason=msg.finish_reason,
                     )  # fmt: skip
                     if msg.finish_reason:
@@ -310,6 +321,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                     outcome["status"] = "error"
                     context.abort(broken.code, broken.details)
                 self.telemetry.metrics.migrations.labels(broken.where).inc()
+                # The tokens streamed so far become prompt on the next worker: send on any of their
+                # text the failed worker had not released yet.
+                whole = self.tokenizer.decode(generated) if generated else ""
+                carry = whole[len("".join(sent_text)) :] if whole.startswith("".join(sent_text)) else ""
                 root.add_event(
                     "migration",
                     {
@@ -327,7 +342,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             try:
                 return choose(prompt, max_tokens, self.pool.loads(), s.block_size, s.local_prefill_max_tokens)
             except NoCapacity:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or not wait_s:
                     raise
                 time.sleep(0.2)
 
@@ -376,14 +391,21 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             threading.Thread(
                 target=watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
             ).start()
-        context.add_callback(lambda: [c.cancel() for c in calls])
+
+        def cancel_all() -> None:
+            prefill_result["cancelled"] = True
+            for call in calls:
+                call.cancel()
+
+        if not context.add_callback(cancel_all):  # the client is already gone
+            cancel_all()
+            return
         try:
             yield from decode_call
             if "cached" in prefill_result:
                 cached["tokens"] = prefill_result["cached"]  # type: ignore[assignment]
         except grpc.RpcError as e:
-            for call in calls:
-                call.cancel()
+            cancel_all()
             failed = prefill_result.get("error")
             if isinstance(failed, grpc.RpcError):
                 raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None

@@ -31,6 +31,8 @@ class PromptTokenizer(Protocol):
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str: ...
 
+    def decode(self, ids: Sequence[int]) -> str: ...
+
 
 @dataclass(frozen=True)
 class Limits:
