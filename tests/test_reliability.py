@@ -264,3 +264,27 @@ def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
     finally:
         release.set()
         stop()
+
+
+def test_two_requests_with_the_same_client_id_both_complete():
+    address, router, decode, stop = start_cluster()
+    try:
+        stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
+        request = api_pb2.GenerateRequest(
+            request_id="same-id", token_ids=api_pb2.TokenIds(ids=list(range(50, 90))),
+            sampling=api_pb2.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+        )  # fmt: skip
+        results: list[list[int]] = []
+
+        def one() -> None:
+            results.append([t for m in stub.Generate(request, timeout=60) for t in m.token_ids])
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 3 and results[0] == results[1] == results[2] and len(results[0]) == 30
+        assert decode.engine.scheduler.blocks.num_free_blocks == 256 and router.in_flight == 0
+    finally:
+        stop()
