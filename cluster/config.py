@@ -84,10 +84,12 @@ class TransferConfig(_Part):
         default="grpc", description="How prefill workers ship KV caches to decode workers."
     )
     layers_per_chunk: int = Field(default=1, gt=0, description="Layers carried by one transfer chunk.")
-    layerwise: bool = Field(
-        default=True,
+    layerwise: bool | None = Field(
+        default=None,
         description="Ship each chunk of layers as soon as the forward pass finishes them, overlapping the "
-        "transfer with the remaining layers' compute; off: ship after the whole pass.",
+        "transfer with the remaining layers' compute; false ships after the whole pass. Unset: on when the "
+        "model runs on a GPU, off on CPU, where the transfer competes with the compute for the same cores "
+        "(benchmarks/kv_transfer.py).",
     )
     max_queued_chunks: int = Field(
         default=8, gt=0, description="Chunks a transfer may queue before the sender waits (flow control)."

@@ -89,6 +89,8 @@ class PrefillEngine:
         self.scheduler = PrefillScheduler(scheduler, blocks)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed))
         self.fingerprint = model_fingerprint(model, model.arch)  # once, at load
+        layerwise = transfer.layerwise
+        self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
         self._jobs: dict[str, _Job] = {}
 
     @property
@@ -132,10 +134,8 @@ class PrefillEngine:
         for c in finishing:
             self._jobs[c.request.request_id].stream = self._open(c.request)
         ship = self._shipper(finishing)
-        result = self.runner.execute(
-            plan, [self._row(c.request) for c in finishing], ship if self.transfer.layerwise else None
-        )
-        if not self.transfer.layerwise:
+        result = self.runner.execute(plan, [self._row(c.request) for c in finishing], ship if self.layerwise else None)
+        if not self.layerwise:
             for layer in range(self.model.arch.num_layers):
                 ship(layer)
         outputs = []
