@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
-from concurrent import futures
 
 import grpc
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 from cluster import tls
+from cluster.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, message_options, start_server
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_transport import KVReceiver, SendStream
 from cluster.kv_wire import (
@@ -37,19 +37,17 @@ from cluster.kv_wire import (
     serialize,
 )
 
-DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# Read the socket in MiB-sized pieces rather than gRPC's default few KiB: transfer messages are
+# megabytes of tensor bytes (measured on loopback: ~1.3x the throughput).
+TCP_READ_OPTIONS = [
+    ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 4 << 20),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+]
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Read the socket in MiB-sized pieces rather than gRPC's default few KiB: transfer messages
-        # are megabytes of tensor bytes (measured on loopback: ~1.3x the throughput).
-        ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
-        ("grpc.experimental.tcp_min_read_chunk_size", 4 << 20),
-        ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
-    ]
+    return [*message_options(max_message_bytes), *TCP_READ_OPTIONS]
 
 
 class KVTransferService(pb_grpc.KVTransferServicer):
@@ -107,14 +105,15 @@ def serve(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_workers: int = 16,
 ) -> tuple[grpc.Server, int]:
-    """Starts a KVTransfer server; returns it and the port it bound."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=channel_options(max_message_bytes))
-    server.add_generic_rpc_handlers((handlers(KVTransferService(receiver, groups)),))
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind the KV transfer server to {address}")
-    server.start()
-    return server, port
+    """Starts a KVTransfer server on its own (a decode worker serves it beside `Worker`); returns
+    the gRPC server and the port it bound."""
+
+    def add(server: grpc.Server) -> list[str]:
+        server.add_generic_rpc_handlers((handlers(KVTransferService(receiver, groups)),))
+        return ["tandem.v1.KVTransfer"]
+
+    started = start_server(add, address, max_message_bytes, max_workers, extra_options=TCP_READ_OPTIONS)
+    return started.server, started.port
 
 
 def handlers(service: KVTransferService) -> grpc.GenericRpcHandler:

@@ -257,9 +257,6 @@ class RayCluster:
         """name -> gRPC address of every registered worker (for the router)."""
         return {name: address for name, (_, address) in ray.get(self.controller.workers.remote()).items()}
 
-    def roles(self) -> dict[str, str]:
-        return {name: role for name, (role, _) in ray.get(self.controller.workers.remote()).items()}
-
     def set_router(self, address: str) -> None:
         """Lets the pool controllers read the router's TTFT and TPOT."""
         ray.get([pool.set_router.remote(address) for pool in self.pools.values()])

@@ -26,7 +26,7 @@ from cluster.auth import cluster_secret
 from cluster.config import ClusterConfig, TelemetryConfig
 from cluster.grpc_server import Server, start_server
 from cluster.kv_collective import CollectiveGroups
-from cluster.kv_grpc import KVTransferService, channel_options, handlers
+from cluster.kv_grpc import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv_wire import model_fingerprint
 from cluster.loader import load_model
 from cluster.request import params_from_proto
@@ -106,7 +106,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         # hold, plus transfers, loads and health checks, which must never queue behind them.
         threads = config.max_num_seqs + config.max_waiting + 64
         self.server = start_server(
-            add, address, extra_options=channel_options(256 << 20)[2:], interceptors=[self.interceptor],
+            add, address, extra_options=TCP_READ_OPTIONS, interceptors=[self.interceptor],
             credentials=self.credentials, max_workers=threads,
         )  # fmt: skip
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
