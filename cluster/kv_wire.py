@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import warnings
 import zlib
@@ -213,12 +214,12 @@ def encode_chunk(c: KVChunk, inline: bool = True) -> pb.KVTransferMessage:
 
 
 def decode_chunk(m: pb.KVChunk | WireChunk, header: KVHeader) -> KVChunk:
-    """Tensors over the message's bytes; shape and checksum are checked by `verify_chunk`."""
-    if isinstance(m, WireChunk):
-        return _chunk_over(m, header)
+    """Tensors over the message's bytes (no copy); shape and checksum are checked by `verify_chunk`."""
+    if isinstance(m, pb.KVChunk):
+        m = WireChunk(m.layer_start, m.layer_count, memoryview(m.key), memoryview(m.value), m.checksum)
     shape = header.chunk_shape(m.layer_count)
     dtype = DTYPES[header.dtype]
-    expected = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if len(m.key) != expected or len(m.value) != expected:
         raise TransferError(
             grpc.StatusCode.DATA_LOSS,
@@ -226,8 +227,10 @@ def decode_chunk(m: pb.KVChunk | WireChunk, header: KVHeader) -> KVChunk:
         )
     if expected == 0:
         return KVChunk(m.layer_start, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), m.checksum)
-    key = torch.frombuffer(bytearray(m.key), dtype=dtype).view(shape)
-    value = torch.frombuffer(bytearray(m.value), dtype=dtype).view(shape)
+    with warnings.catch_warnings():  # the tensors only ever get read (copied into the cache)
+        warnings.simplefilter("ignore", UserWarning)
+        key = torch.frombuffer(m.key, dtype=dtype).view(shape)
+        value = torch.frombuffer(m.value, dtype=dtype).view(shape)
     return KVChunk(m.layer_start, key, value, m.checksum)
 
 
@@ -362,31 +365,6 @@ def _read_varint(view: memoryview, i: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result, i
         shift += 7
-
-
-def _chunk_over(m: WireChunk, header: KVHeader) -> KVChunk:
-    shape = header.chunk_shape(m.layer_count)
-    dtype = DTYPES[header.dtype]
-    expected = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-    if len(m.key) != expected or len(m.value) != expected:
-        raise TransferError(
-            grpc.StatusCode.DATA_LOSS,
-            f"chunk at layer {m.layer_start} carries {len(m.key)} + {len(m.value)} bytes, expected {expected} each",
-        )
-    if expected == 0:
-        return KVChunk(m.layer_start, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), m.checksum)
-    with warnings.catch_warnings():  # the tensors only ever get read (copied into the cache)
-        warnings.simplefilter("ignore", UserWarning)
-        key = torch.frombuffer(m.key, dtype=dtype).view(shape)
-        value = torch.frombuffer(m.value, dtype=dtype).view(shape)
-    return KVChunk(m.layer_start, key, value, m.checksum)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # -- the model fingerprint -----------------------------------------------------------------------
