@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tandem.v1 import api_pb2
 
-from cluster.request import SamplingParams
+from cluster.request import SamplingParams, params_from_proto
 
 _ID = re.compile(r"[A-Za-z0-9_.:/-]+")  # ids travel in gRPC metadata, which takes printable ASCII only
 
@@ -114,19 +114,7 @@ def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> 
     bad = [t for t in m.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise InvalidRequest("sampling.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        min_tokens=m.min_tokens,
-        temperature=m.temperature if m.HasField("temperature") else 1.0,
-        top_p=m.top_p if m.HasField("top_p") else 1.0,
-        top_k=m.top_k if m.HasField("top_k") else -1,
-        min_p=m.min_p if m.HasField("min_p") else 0.0,
-        presence_penalty=m.presence_penalty,
-        frequency_penalty=m.frequency_penalty,
-        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
-        seed=m.seed if m.HasField("seed") else None,
-        stop=tuple(m.stop),
-        stop_token_ids=tuple(m.stop_token_ids),
-        ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None,
-    )
+    resolved = api_pb2.SamplingParams()
+    resolved.CopyFrom(m)
+    resolved.max_tokens = max_tokens  # the wire's 0, "up to the context window", resolved
+    return params_from_proto(resolved)
