@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tandem.v1 import api_pb2
+
+from cluster.request import SamplingParams, params_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
@@ -68,3 +71,24 @@ def start_server(
     result = Server(server, port, checker)
     result.set_serving(True)
     return result
+
+
+def admit_submit(
+    context: grpc.ServicerContext,
+    worker: str,
+    draining: bool,
+    sampling: api_pb2.SamplingParams,
+    waiting: int,
+    limit: int,
+) -> SamplingParams:
+    """A worker's checks before it takes a `Worker.Submit`: not draining (UNAVAILABLE), sampling
+    parameters that hold (INVALID_ARGUMENT), room in its queue (RESOURCE_EXHAUSTED)."""
+    if draining:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"{worker} is draining")
+    try:
+        params = params_from_proto(sampling)
+    except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+    if waiting >= limit:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{worker} has {waiting} requests waiting")
+    return params

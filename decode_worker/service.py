@@ -24,12 +24,11 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.auth import cluster_secret
 from cluster.config import ClusterConfig, TelemetryConfig
-from cluster.grpc_server import Server, start_server
+from cluster.grpc_server import Server, admit_submit, start_server
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv_wire import model_fingerprint
 from cluster.loader import load_model
-from cluster.request import params_from_proto
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import server_credentials
 from cluster.tokenizer import Tokenizer
@@ -134,15 +133,11 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         submitted = time.time()
         parent = extract(context.invocation_metadata())
         rid = request.request_id
-        if self._draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
-        try:
-            params = params_from_proto(request.sampling)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
-        waiting = len(self.engine.scheduler.waiting) + self.intake.in_flight
-        if waiting >= self.engine.scheduler.config.max_waiting:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker_id} has {waiting} requests waiting")
+        scheduler = self.engine.scheduler
+        waiting = len(scheduler.waiting) + self.intake.in_flight
+        params = admit_submit(
+            context, self.worker_id, self._draining, request.sampling, waiting, scheduler.config.max_waiting
+        )
         stream: queue.Queue[RequestOutput | None] = queue.Queue()
         with self._lock:
             if rid in self._streams:

@@ -23,13 +23,12 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.auth import cluster_secret, secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, TelemetryConfig, TransferConfig
-from cluster.grpc_server import Server, start_server
+from cluster.grpc_server import Server, admit_submit, start_server
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import CollectiveSender, GrpcSender
 from cluster.kv_transport import KVSender, TransferState
 from cluster.loader import load_model
 from cluster.model_runner import num_kv_blocks
-from cluster.request import params_from_proto
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
 from cluster.tokenizer import Tokenizer
@@ -99,17 +98,13 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         submitted = time.time()
         parent = extract(context.invocation_metadata())
         rid = request.request_id
-        if self._draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} is draining")
         if not request.decode_target:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill request needs a decode_target")
-        try:
-            params = params_from_proto(request.sampling)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
-        waiting = len(self.engine.scheduler.waiting)
-        if waiting >= self.engine.scheduler.config.max_waiting:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker_id} has {waiting} prompts waiting")
+        scheduler = self.engine.scheduler
+        params = admit_submit(
+            context, self.worker_id, self._draining, request.sampling, len(scheduler.waiting),
+            scheduler.config.max_waiting,
+        )  # fmt: skip
         waiter: Future[tuple[PrefillOutput, float, float]] = Future()
         with self._lock:
             try:
