@@ -109,6 +109,17 @@ class Completion:
     metadata: dict[str, str]  # the router's placement: "tandem-prefill", "tandem-decode", ...
 
 
+def _settings(client, target, api_key, timeout, retries, backoff_s) -> None:  # type: ignore[no-untyped-def]
+    """What `Client` and `AsyncClient` keep alike."""
+    client.target, client.timeout, client.retries, client.backoff_s = target, timeout, retries, backoff_s
+    client._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def _retryable(e: grpc.RpcError, started: bool, attempt: int, retries: int) -> bool:
+    """Only UNAVAILABLE before the first token is tried again: after it, a retry could repeat tokens."""
+    return e.code() is grpc.StatusCode.UNAVAILABLE and not started and attempt < retries
+
+
 def _credentials(tls_ca: str) -> grpc.ChannelCredentials:
     with open(tls_ca, "rb") as f:
         return grpc.ssl_channel_credentials(root_certificates=f.read())
@@ -179,15 +190,9 @@ class Client:
         backoff_s: float = 0.2,
         tls_ca: str | None = None,
     ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        if tls_ca is None:
-            self._channel = grpc.insecure_channel(target)
-        else:
-            self._channel = grpc.secure_channel(target, _credentials(tls_ca))
+        _settings(self, target, api_key, timeout, retries, backoff_s)
+        credentials = _credentials(tls_ca) if tls_ca else None
+        self._channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
         self._stub = api_pb2_grpc.TandemStub(self._channel)
 
     def generate(
@@ -253,8 +258,7 @@ class Client:
                     yield m
                 return
             except grpc.RpcError as e:
-                retry = e.code() is grpc.StatusCode.UNAVAILABLE and not started and attempt < self.retries
-                if not retry:
+                if not _retryable(e, started, attempt, self.retries):
                     raise _error(e) from None
             finally:
                 call.cancel()  # a no-op once the call is over; cancels it if the caller left early
@@ -273,15 +277,10 @@ class AsyncClient:
         backoff_s: float = 0.2,
         tls_ca: str | None = None,
     ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        if tls_ca is None:
-            self._channel = grpc.aio.insecure_channel(target)
-        else:
-            self._channel = grpc.aio.secure_channel(target, _credentials(tls_ca))
+        _settings(self, target, api_key, timeout, retries, backoff_s)
+        credentials = _credentials(tls_ca) if tls_ca else None
+        aio = grpc.aio
+        self._channel = aio.secure_channel(target, credentials) if credentials else aio.insecure_channel(target)
         self._stub = api_pb2_grpc.TandemStub(self._channel)
 
     async def generate(
@@ -348,8 +347,7 @@ class AsyncClient:
                     yield m
                 return
             except grpc.RpcError as e:
-                retry = e.code() is grpc.StatusCode.UNAVAILABLE and not started and attempt < self.retries
-                if not retry:
+                if not _retryable(e, started, attempt, self.retries):
                     raise _error(e) from None
             finally:
                 call.cancel()
