@@ -111,37 +111,44 @@ def create_app(grpc_target: str, model: str, registry: Any = None, channel_crede
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _json(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            base = {"token_ids": api_pb2.TokenIds(ids=prompt)}
-        elif isinstance(prompt, str):
-            base = {"text": prompt}
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            base = {"text": prompt[0]}
-        else:
-            raise HTTPError(400, "invalid_request_error", "prompt must be a string or a list of token ids", "prompt")
+        base = _completion_prompt(body)
         return await _complete(stub(), request, body, base, model, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HTTPError(400, "invalid_request_error", "messages must be a non-empty list", "messages")
-        chat_messages = []
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-            if not isinstance(content, str) or not isinstance(m.get("role"), str):
-                raise HTTPError(
-                    400, "invalid_request_error", f"messages[{i}] needs a role and text content", "messages"
-                )
-            chat_messages.append(api_pb2.ChatMessage(role=m["role"], content=content))
-        base = {"chat": api_pb2.ChatPrompt(messages=chat_messages)}
+        base = _chat_prompt(body)
         return await _complete(stub(), request, body, base, model, chat=True)
 
     return app
+
+
+def _completion_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """The GenerateRequest prompt field of a completions body."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return {"token_ids": api_pb2.TokenIds(ids=prompt)}
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    raise HTTPError(400, "invalid_request_error", "prompt must be a string or a list of token ids", "prompt")
+
+
+def _chat_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """The GenerateRequest prompt field of a chat body (text parts of list contents joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "invalid_request_error", "messages must be a non-empty list", "messages")
+    chat = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not isinstance(content, str) or not isinstance(m.get("role"), str):
+            raise HTTPError(400, "invalid_request_error", f"messages[{i}] needs a role and text content", "messages")
+        chat.append(api_pb2.ChatMessage(role=m["role"], content=content))
+    return {"chat": api_pb2.ChatPrompt(messages=chat)}
 
 
 async def _json(request: Request) -> dict[str, Any]:
