@@ -1,18 +1,22 @@
 """The pieces of relaying one request: parsing what arrives, carrying trace context to workers,
-watching the prefill call beside the decode stream, and deciding what a failure means."""
+watching the prefill call beside the decode stream, deciding what a failure means, the client's
+messages across migrations, and the request's latency accounting."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from tandem.v1 import api_pb2
 
 from cluster.request import SamplingParams
-from cluster.slo import RequestTiming, Targets
-from cluster.telemetry import inject
+from cluster.slo import RequestTiming, SLOWindow, Targets
+from cluster.telemetry import Telemetry, inject
 from router.placement import Choice
 
 
@@ -87,6 +91,84 @@ def watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:
             return  # the router cancelled it itself
         result["error"] = e
         decode_call.cancel()
+
+
+@dataclass
+class Stream:
+    """One request's relay state across its attempts: what the client has been sent, and how the
+    request ended (`status`: ok, cancelled, rejected, error)."""
+
+    rid: str
+    prompt: list[int]
+    received: float  # when the router got it (time.time())
+    targets: Targets
+    chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (arrival, tokens)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    sent_text: str = ""
+    carry: str = ""  # text a failed worker held back (a possible stop string, a partial character)
+    cached_tokens: int | None = None  # prompt tokens the prefill worker found cached
+    status: str = "error"
+    finish_reason: int = 0
+    timing: RequestTiming | None = None
+
+    def response(self, msg) -> api_pb2.GenerateResponse:  # type: ignore[no-untyped-def]
+        """The client's message for a worker's `WorkerTokens`; the last one carries usage and the SLO report."""
+        self.chunks.append((time.time(), len(msg.token_ids)))
+        self.generated += msg.token_ids
+        text, self.carry = self.carry + msg.text, ""
+        self.sent_text += text
+        out = api_pb2.GenerateResponse(
+            request_id=self.rid, text=text, token_ids=msg.token_ids, logprobs=msg.logprobs,
+            finish_reason=msg.finish_reason,
+        )  # fmt: skip
+        if msg.finish_reason:
+            self.timing = timing = RequestTiming(self.received, tuple(self.chunks))
+            cached = self.cached_tokens if self.cached_tokens is not None else msg.num_cached_tokens
+            out.usage.CopyFrom(
+                api_pb2.Usage(
+                    prompt_tokens=len(self.prompt), completion_tokens=timing.output_tokens,
+                    cached_prompt_tokens=cached,
+                )
+            )  # fmt: skip
+            out.slo.CopyFrom(slo_report(timing, self.targets))
+            self.status, self.finish_reason = "ok", msg.finish_reason
+        return out
+
+    def migrated(self, decode: Callable[[list[int]], str]) -> None:
+        """The tokens streamed so far become prompt on the next worker: any of their text the
+        failed worker had not released yet goes out with the next message."""
+        whole = decode(self.generated) if self.generated else ""
+        self.carry = whole[len(self.sent_text) :] if whole.startswith(self.sent_text) else ""
+
+
+def account(telemetry: Telemetry, slo: SLOWindow, root: trace.Span, stream: Stream) -> None:
+    """Latency metrics, SLO attainment and the root span's attributes for a finished request."""
+    timing = stream.timing
+    if timing is None:
+        return
+    m = telemetry.metrics
+    m.ttft.observe(timing.ttft)
+    m.e2e.observe(timing.e2e)
+    if timing.tpot is not None:
+        m.tpot.observe(timing.tpot)
+    for gap in timing.itl:
+        m.itl.observe(gap)
+    met = stream.targets.met(timing.ttft, timing.tpot)
+    slo.record(met, timing.ttft, timing.tpot)
+    attainment = slo.attainment()
+    if attainment is not None:
+        m.slo_attainment.set(attainment)
+    finish = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
+    root.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": len(stream.prompt),
+            "gen_ai.usage.output_tokens": timing.output_tokens,
+            "gen_ai.response.finish_reasons": [finish.get(stream.finish_reason, "abort")],
+            "tandem.ttft_s": timing.ttft,
+            "tandem.tpot_s": timing.tpot if timing.tpot is not None else 0.0,
+            "tandem.slo_met": met,
+        }
+    )
 
 
 def describe(choice: Choice) -> str:

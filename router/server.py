@@ -20,8 +20,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 from opentelemetry import context as otel_context
@@ -30,10 +28,10 @@ from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cluster.arch import ModelArch
 from cluster.auth import client_keys, mint_capability, secret_metadata
-from cluster.config import ClusterConfig, SLOConfig
+from cluster.config import ClusterConfig
 from cluster.grpc_server import Server, start_server
 from cluster.request import SamplingParams, params_to_proto
-from cluster.slo import RequestTiming, SLOWindow, Targets
+from cluster.slo import SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
 from cluster.tokenizer import Tokenizer
@@ -42,33 +40,16 @@ from router.pool import WorkerPool
 from router.relay import (
     Broken,
     Malformed,
+    Stream,
+    account,
     describe,
     parse,
     rest_of,
-    slo_report,
     trace_metadata,
     watch_prefill,
 )
+from router.settings import PoolAdmin, RouterSettings
 from router.validate import InvalidRequest, Limits, PromptTokenizer, validate
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    model_name: str
-    architecture: str
-    limits: Limits
-    block_size: int
-    eos_token_ids: tuple[int, ...]
-    has_chat_template: bool
-    dtype: str
-    slo: SLOConfig = field(default_factory=SLOConfig)
-    capability_secret: bytes | None = None  # mint a capability for every KV transfer
-    capability_ttl_s: float = 120.0
-    migration_limit: int = 2
-    migration_wait_s: float = 60.0
-    max_queued_requests: int = 256
-    local_prefill_max_tokens: int = 64
-    metrics_port: int = 0
 
 
 class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
@@ -191,12 +172,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             try:
                 with self._lock:
                     self._in_flight += 1
-                targets = self._targets(request)
-                trace_context = trace.set_span_in_context(root)
-                outcome: dict[str, object] = {}
-                yield from self._generate(rid, prompt, params, context, received, targets, trace_context, outcome)
-                status = str(outcome.get("status", "error"))
-                self._account(root, received, outcome, targets, status)
+                stream = Stream(rid, prompt, received, self._targets(request))
+                yield from self._generate(stream, params, context, trace.set_span_in_context(root))
+                status = stream.status
+                account(self.telemetry, self.slo, root, stream)
             finally:
                 with self._lock:
                     self._in_flight -= 1
@@ -246,93 +225,58 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
 
     def _generate(
         self,
-        rid: str,
-        prompt: list[int],
+        stream: Stream,
         params: SamplingParams,
         context: grpc.ServicerContext,
-        received: float,
-        targets: Targets,
         trace_context: otel_context.Context,
-        outcome: dict[str, object],
     ) -> Iterator[api_pb2.GenerateResponse]:
         """Places the request and relays its stream. When a worker dies mid-request, the request
         migrates: prompt + the tokens already streamed are prefilled again on a live worker and the
         same client stream continues, no token lost or repeated (at most `migration_limit` times)."""
         s = self.settings
         try:
-            choice = self._place(prompt, params.max_tokens, wait_s=0)
+            choice = self._place(stream.prompt, params.max_tokens, wait_s=0)
         except NoCapacity as e:
-            outcome["status"] = "rejected"
+            stream.status = "rejected"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.decisions[f"prefill={choice.reason}"] += 1
         root = trace.get_current_span(trace_context)
         root.set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
         context.send_initial_metadata(
-            (("tandem-request-id", rid), ("tandem-prefill", describe(choice)), ("tandem-decode", choice.decode))
+            (("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)), ("tandem-decode", choice.decode))
         )
         placed = time.time()
-        self.telemetry.record("router.queue", trace_context, received, placed, tandem__prefill=describe(choice))
-        self.telemetry.metrics.queue.labels("router").observe(placed - received)
+        self.telemetry.record("router.queue", trace_context, stream.received, placed, tandem__prefill=describe(choice))
+        self.telemetry.metrics.queue.labels("router").observe(placed - stream.received)
         metadata = [*self.pool.metadata, *trace_metadata(trace_context)]
-        chunks: list[tuple[float, int]] = []
-        outcome["chunks"] = chunks
-        sent_text: list[str] = []
-        generated: list[int] = []
-        cached: dict[str, int] = {}
-        carry = ""  # text the failed worker held back (a possible stop string, a partial character)
         worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
         for attempt in range(s.migration_limit + 1):
+            streamed = len(stream.generated)
+            prompt, rest = stream.prompt + stream.generated, rest_of(params, streamed)
             if attempt:
                 if not context.is_active():
-                    outcome["status"] = "cancelled"
+                    stream.status = "cancelled"
                     return
                 try:
-                    choice = self._place(prompt + generated, params.max_tokens - len(generated), s.migration_wait_s)
+                    choice = self._place(
+                        stream.prompt + stream.generated, params.max_tokens - streamed, s.migration_wait_s
+                    )
                 except NoCapacity as e:
-                    outcome["status"] = "error"
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
             try:
-                for msg in self._attempt(f"{worker_id}.{attempt}", prompt + generated, rest_of(params, len(generated)),
-                                         choice, context, metadata, cached):  # fmt: skip
-                    chunks.append((time.time(), len(msg.token_ids)))
-                    generated += msg.token_ids
-                    text, carry = carry + msg.text, ""
-                    sent_text.append(text)
-                    last = api_pb2.GenerateResponse(
-                        request_id=rid, text=text, token_ids=msg.token_ids, logprobs=msg.logprobs,
-                        finish_reason=msg.finish_reason,
-                    )  # fmt: skip
-                    if msg.finish_reason:
-                        timing = RequestTiming(received, tuple(chunks))
-                        usage = api_pb2.Usage(
-                            prompt_tokens=len(prompt), completion_tokens=timing.output_tokens,
-                            cached_prompt_tokens=cached.get("tokens", msg.num_cached_tokens),
-                        )  # fmt: skip
-                        last.usage.CopyFrom(usage)
-                        last.slo.CopyFrom(slo_report(timing, targets))
-                        outcome.update(status="ok", finish_reason=msg.finish_reason, timing=timing, prompt=len(prompt))
-                    yield last
+                for msg in self._attempt(f"{worker_id}.{attempt}", prompt, rest, choice, context, metadata, stream):
+                    yield stream.response(msg)
                 return
             except Broken as broken:
                 if not context.is_active():
-                    outcome["status"] = "cancelled"
+                    stream.status = "cancelled"
                     return
                 if not broken.migratable or attempt == s.migration_limit:
-                    outcome["status"] = "error"
                     context.abort(broken.code, broken.details)
                 self.telemetry.metrics.migrations.labels(broken.where).inc()
-                # The tokens streamed so far become prompt on the next worker: send on any of their
-                # text the failed worker had not released yet.
-                whole = self.tokenizer.decode(generated) if generated else ""
-                carry = whole[len("".join(sent_text)) :] if whole.startswith("".join(sent_text)) else ""
-                root.add_event(
-                    "migration",
-                    {
-                        "tandem.worker": broken.worker,
-                        "tandem.tokens_streamed": len(generated),
-                        "tandem.error": broken.details,
-                    },
-                )
+                stream.migrated(self.tokenizer.decode)
+                event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
+                root.add_event("migration", {**event, "tandem.error": broken.details})
 
     def _place(self, prompt: list[int], max_tokens: int, wait_s: float) -> Choice:
         """Chooses workers, waiting up to `wait_s` for one to come back (a restarting worker)."""
@@ -354,7 +298,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         choice: Choice,
         context: grpc.ServicerContext,
         metadata: list[tuple[str, str]],
-        cached: dict[str, int],
+        stream: Stream,
     ) -> Iterator[worker_pb2.WorkerTokens]:
         """One try on one pair of workers: the decode worker's stream, with the prefill call beside
         it. Raises `Broken` when either fails; the caller decides whether to migrate."""
@@ -376,17 +320,13 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         if remote:
             capability = b""
             if s.capability_secret is not None:
-                capability = mint_capability(
-                    s.capability_secret, worker_rid, len(prompt), s.block_size, s.capability_ttl_s
-                )
-            prefill_call = workers[choice.prefill].stub.Submit(  # type: ignore[index]
-                worker_pb2.WorkerRequest(
-                    request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling,
-                    decode_target=decode.address, capability=capability,
-                ),
-                timeout=timeout,
-                metadata=metadata,
+                ttl = s.capability_ttl_s
+                capability = mint_capability(s.capability_secret, worker_rid, len(prompt), s.block_size, ttl)
+            request = worker_pb2.WorkerRequest(
+                request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling, decode_target=decode.address,
+                capability=capability,
             )  # fmt: skip
+            prefill_call = workers[choice.prefill].stub.Submit(request, timeout=timeout, metadata=metadata)  # type: ignore[index]
             calls.append(prefill_call)
             threading.Thread(
                 target=watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
@@ -401,9 +341,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             cancel_all()
             return
         try:
-            yield from decode_call
-            if "cached" in prefill_result:
-                cached["tokens"] = prefill_result["cached"]  # type: ignore[assignment]
+            for msg in decode_call:
+                if "cached" in prefill_result:
+                    stream.cached_tokens = prefill_result["cached"]  # type: ignore[assignment]
+                yield msg
         except grpc.RpcError as e:
             cancel_all()
             failed = prefill_result.get("error")
@@ -417,49 +358,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         tpot = budget.tpot_seconds if budget.HasField("tpot_seconds") else self.settings.slo.tpot_s
         return Targets(ttft, tpot)
 
-    def _account(
-        self, root: trace.Span, received: float, outcome: dict[str, object], targets: Targets, status: str
-    ) -> None:
-        """Latency metrics, SLO attainment and the root span's attributes for a finished request."""
-        timing = outcome.get("timing")
-        if not isinstance(timing, RequestTiming):
-            return
-        m = self.telemetry.metrics
-        m.ttft.observe(timing.ttft)
-        m.e2e.observe(timing.e2e)
-        if timing.tpot is not None:
-            m.tpot.observe(timing.tpot)
-        for gap in timing.itl:
-            m.itl.observe(gap)
-        met = targets.met(timing.ttft, timing.tpot)
-        self.slo.record(met, timing.ttft, timing.tpot)
-        attainment = self.slo.attainment()
-        if attainment is not None:
-            m.slo_attainment.set(attainment)
-        finish = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
-        root.set_attributes(
-            {
-                "gen_ai.usage.input_tokens": int(outcome.get("prompt", 0)),  # type: ignore[call-overload]
-                "gen_ai.usage.output_tokens": timing.output_tokens,
-                "gen_ai.response.finish_reasons": [finish.get(outcome.get("finish_reason"), "abort")],  # type: ignore[arg-type]
-                "tandem.ttft_s": timing.ttft,
-                "tandem.tpot_s": timing.tpot if timing.tpot is not None else 0.0,
-                "tandem.slo_met": met,
-            }
-        )
-
     @staticmethod
     def _mode(root: trace.Span) -> str:
         attributes = getattr(root, "attributes", None) or {}
         return str(attributes.get("tandem.prefill_mode", "none"))
-
-
-class PoolAdmin(Protocol):
-    """The pool controllers, as the router's Admin service sees them (`cluster.ray_cluster.RayCluster`)."""
-
-    def scale(self, role: str, replicas: int | None) -> worker_pb2.PoolStatus: ...
-
-    def pool_status(self) -> list[worker_pb2.PoolStatus]: ...
 
 
 def from_config(
