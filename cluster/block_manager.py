@@ -138,6 +138,19 @@ class BlockManager:
                 block.hash, block.tokens = h, chunk
                 self._cached[h] = block.id
 
+    def trim(self, seq: Hashable, num_tokens: int) -> None:
+        """Shrinks `seq`'s table to the blocks `num_tokens` tokens need (rejected speculative tokens
+        give back the blocks they were written into), tail first."""
+        table = self._tables[seq]
+        keep = self._blocks_for(num_tokens)
+        hashes = self._hashes[seq]
+        del hashes[keep:]
+        while len(table) > keep:
+            block = self._blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.id] = None
+
     def free(self, seq: Hashable) -> None:
         """Releases `seq`'s blocks, tail first; unknown sequences are ignored."""
         table = self._tables.pop(seq, None)

@@ -79,6 +79,30 @@ class SchedulerConfig(_Part):
     )
 
 
+class SpeculativeConfig(_Part):
+    method: Literal["none", "ngram", "draft"] = Field(
+        default="none",
+        description="Speculative decoding on decode workers: off, prompt lookup (n-gram), or a draft model.",
+    )
+    num_tokens: int = Field(
+        default=4, ge=1, le=16, description="Most tokens proposed per request per step (requests may ask for fewer)."
+    )
+    draft_model: Path | None = Field(
+        default=None, description="With method=draft: folder of a small model with the served model's vocabulary."
+    )
+    draft_memory_gib: float = Field(default=0.25, gt=0, description="Memory for the draft model's KV cache, in GiB.")
+    ngram_max: int = Field(default=4, ge=1, description="With method=ngram: longest suffix looked up in the context.")
+    ngram_min: int = Field(default=2, ge=1, description="With method=ngram: shortest suffix looked up.")
+
+    @model_validator(mode="after")
+    def _method_needs(self) -> SpeculativeConfig:
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method=draft needs draft_model")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) exceeds ngram_max ({self.ngram_max})")
+        return self
+
+
 class TransferConfig(_Part):
     transport: Literal["grpc", "collective", "local"] = Field(
         default="grpc", description="How prefill workers ship KV caches to decode workers."
@@ -251,6 +275,9 @@ class ClusterConfig(_Part):
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache on each worker.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching limits.")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between pools.")
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig, description="Speculative decoding on decode workers."
+    )
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="The prefill worker pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode worker pool.")
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets.")

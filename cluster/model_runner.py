@@ -50,21 +50,33 @@ class ModelRunner:
     ) -> SampleResult:
         """Runs `plan`; `rows` describe, in plan order, the chunks whose `samples` is true.
         `after_layer(i)` is called once layer `i` has written its KV (so it can be shipped early)."""
-        chunks, input_ids = [], []
-        for c in plan.chunks:
-            chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
-            input_ids.extend(c.request.token_ids(c.start, c.start + c.num_new))
+        chunks = [SeqChunk(c.block_table, c.start, c.num_new) for c in plan.chunks]
         decode_only = all(c.num_new == 1 and c.samples for c in plan.chunks)
         if self.compiled is not None and after_layer is None and decode_only and self.compiled.fits(len(chunks)):
+            input_ids = [i for c in plan.chunks for i in c.input_token_ids]
             return self.sampler(self.compiled(input_ids, chunks, self.kv_cache).cpu(), rows)
+        logits = self.logits(plan, after_layer)
+        return self.sampler(logits, rows) if logits is not None else SampleResult([], None, None)
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan, after_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """One eager forward pass over `plan`; float32 logits [R, vocab] on the CPU, where each chunk
+        that samples gives one row per draft token plus one (its last 1 + len(draft) positions),
+        in plan order. None when no chunk samples."""
+        chunks, input_ids, rows = [], [], []
+        for c in plan.chunks:
+            if c.samples:
+                end = len(input_ids) + c.num_new
+                rows.extend(range(end - 1 - len(c.draft), end))
+            chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
+            input_ids.extend(c.input_token_ids)
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta.positions, self.kv_cache, meta, after_layer)
-        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
-        if not sampling:
-            return SampleResult([], None, None)
-        logits = self.model.compute_logits(hidden[meta.last_token_index[sampling]])
-        return self.sampler(logits.cpu(), rows)
+        if not rows:
+            return None
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[index]).float().cpu()
 
 
 def num_kv_blocks(model: CausalLM, cache: CacheConfig) -> int:

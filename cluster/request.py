@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the sampled token's and the top n
+    speculative_tokens: int | None = None  # None: the deployment's setting; 0: no speculation
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,6 +42,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.speculative_tokens is None or self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
             (all(self.stop), "stop strings must not be empty"),
         ]
         for ok, message in checks:
@@ -113,6 +115,9 @@ class Request:
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_passes: int = 0  # forward passes that gave this request tokens
+    num_draft_tokens: int = 0  # speculative tokens proposed for it
+    num_accepted_tokens: int = 0  # and kept
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -147,6 +152,12 @@ class ScheduledChunk:
     num_new: int
     block_table: tuple[int, ...]
     samples: bool  # the chunk reaches the request's last token, so its logits pick the next one
+    draft: tuple[int, ...] = ()  # speculative tokens after the last one, counted in num_new
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        known = self.request.token_ids(self.start, self.start + self.num_new - len(self.draft))
+        return [*known, *self.draft]
 
 
 @dataclass(frozen=True)

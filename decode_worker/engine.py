@@ -8,6 +8,11 @@
 `step()` is three calls: the scheduler plans, the runner executes, the scheduler applies the
 samples. The engine adds what a client sees: text deltas, stop strings, logprobs, and
 `RequestOutput`s. Aborting a request frees its blocks at once.
+
+With a proposer (`cluster.speculative`), each step first asks it for draft tokens for the decoding
+requests, the scheduler adds them to the plan, one eager pass scores them all, and
+`Sampler.verify` keeps what the target model agrees with: a request may gain several tokens in a
+step. Requests with and without speculation, and with different draft lengths, share a batch.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from cluster.block_manager import BlockManager
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.model import CausalLM
 from cluster.model_runner import ModelRunner, num_kv_blocks
-from cluster.request import Request, SamplingParams
-from cluster.sampler import Sampler, SampleRow
+from cluster.request import Request, SamplingParams, StepPlan
+from cluster.sampler import Draft, Sampler, SampleRow, TokenLogprob
+from cluster.speculative import Proposer
 from decode_worker.compiled import CompiledDecode
 from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
 from decode_worker.scheduler import Scheduler
@@ -36,12 +42,15 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]  # new this step
     text: str  # new this step
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_passes: int = 0  # target-model passes that gave this request tokens
+    num_draft_tokens: int = 0  # speculative tokens proposed
+    num_accepted_tokens: int = 0  # and kept
 
 
 @dataclass
@@ -62,6 +71,8 @@ class Engine:
         max_model_len: int | None = None,
         seed: int = 0,
         compile_buckets: Sequence[int] = (),
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
         blocks = BlockManager(self.num_blocks, cache.block_size, cache.watermark, cache.enable_prefix_caching)
@@ -81,6 +92,8 @@ class Engine:
         self.lock = threading.Lock()
         self._reserved: set[str] = set()  # request ids holding blocks for a KV transfer in flight
         self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -127,7 +140,7 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         first_token: int,
-        logprob: tuple[float, list[tuple[int, float]]] | None = None,
+        logprob: TokenLogprob | None = None,
     ) -> None:
         """Puts a reserved sequence whose KV has fully landed into the running batch."""
         request = Request(request_id, list(prompt_token_ids), params)
@@ -139,7 +152,7 @@ class Engine:
             stream = self._open_stream(request)
             if stream.generator is not None and not params.greedy:
                 self.runner.sampler.skip(stream.generator)
-            self._pending.append(self._output(request, first_token, logprob))
+            self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Queues a request; raises ValueError (nothing queued) if it can never run here."""
@@ -161,7 +174,10 @@ class Engine:
         with self.lock:
             self._streams.pop(request_id, None)
             self._pending = [out for out in self._pending if out.request_id != request_id]
-            return self.scheduler.abort(request_id) is not None
+            found = self.scheduler.abort(request_id) is not None
+            if self.proposer is not None:
+                self.proposer.retain(self.scheduler.requests)
+            return found
 
     def step(self) -> list[RequestOutput]:
         with self.lock:
@@ -172,45 +188,102 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        rows = [self._row(c.request) for c in plan.chunks if c.samples]
-        result = self.runner.execute(plan, rows)
-        sampling = [c.request.request_id for c in plan.chunks if c.samples]
-        sampled = dict(zip(sampling, result.token_ids, strict=True))
-        logprobs = {}
-        if result.logprobs is not None:
-            for i, rid in enumerate(sampling):
-                logprobs[rid] = (result.logprobs[i], result.top_logprobs[i])  # type: ignore[index]
+        drafts: dict[str, Draft] = {}
+        if self.num_speculative_tokens:
+            plan, drafts = self._speculate(plan)
+        sampling = [c for c in plan.chunks if c.samples]
+        before = {c.request.request_id: len(c.request.output_token_ids) for c in sampling}
+        logprobs: list[list[TokenLogprob]] | None
+        if drafts:
+            rows = [self._row(c.request, c.draft[:j]) for c in sampling for j in range(len(c.draft) + 1)]
+            verifying = [self._draft(c.draft, drafts.get(c.request.request_id)) for c in sampling]
+            logits = self.runner.logits(plan)
+            assert logits is not None
+            verified = self.runner.sampler.verify(logits, rows, verifying)
+            tokens, logprobs = verified.token_ids, verified.logprobs
+        else:
+            result = self.runner.execute(plan, [self._row(c.request) for c in sampling])
+            tokens = [[t] for t in result.token_ids]
+            logprobs = None
+            if result.logprobs is not None:
+                logprobs = [[pair] for pair in zip(result.logprobs, result.top_logprobs, strict=True)]  # type: ignore[arg-type]
+        ids = [c.request.request_id for c in sampling]
+        sampled = dict(zip(ids, tokens, strict=True))
+        lps = dict(zip(ids, logprobs, strict=True)) if logprobs is not None else {}
         outputs = []
         for request in self.scheduler.update(plan, sampled):
-            outputs.append(self._output(request, sampled[request.request_id], logprobs.get(request.request_id)))
+            new = request.output_token_ids[before[request.request_id] :]
+            outputs.append(self._output(request, new, lps.get(request.request_id)))
+        if self.proposer is not None:
+            self.proposer.retain(self.scheduler.requests)  # finished requests' draft state goes now
         return outputs
 
-    def _row(self, request: Request) -> SampleRow:
+    def _speculate(self, plan: StepPlan) -> tuple[StepPlan, dict[str, Draft]]:
+        """Asks the proposer for each decoding request's draft and adds what fits to the plan."""
+        assert self.proposer is not None
+        candidates, ks = [], []
+        for c in plan.chunks:
+            if c.samples and c.num_new == 1 and (k := self._draft_length(c.request)) > 0:
+                candidates.append(c.request)
+                ks.append(k)
+        if not candidates:
+            return plan, {}
+        proposals = self.proposer.propose(candidates, ks, self._row)
+        drafts = {r.request_id: d for r, d in zip(candidates, proposals, strict=True) if d.tokens}
+        plan = self.scheduler.speculate(plan, {rid: d.tokens for rid, d in drafts.items()})
+        return plan, {c.request.request_id: drafts[c.request.request_id] for c in plan.chunks if c.draft}
+
+    def _draft_length(self, request: Request) -> int:
+        asked = request.params.speculative_tokens
+        k = self.num_speculative_tokens if asked is None else min(asked, self.num_speculative_tokens)
+        return min(k, self.scheduler.room(request))
+
+    @staticmethod
+    def _draft(tokens: tuple[int, ...], proposed: Draft | None) -> Draft:
+        """The draft as the plan kept it (the scheduler may have shortened it)."""
+        if proposed is None or proposed.probs is None:
+            return Draft(tokens)
+        return Draft(tokens, proposed.probs[: len(tokens)])
+
+    def _row(self, request: Request, drafted: Sequence[int] = ()) -> SampleRow:
+        """The sampling row of `request` with `drafted` tokens appended to its output so far."""
         params = request.params
         suppressed: tuple[int, ...] = ()
-        if len(request.output_token_ids) < params.min_tokens:
+        if len(request.output_token_ids) + len(drafted) < params.min_tokens:
             suppressed = (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
         generator = self._streams[request.request_id].generator
-        return SampleRow(params, request.prompt_token_ids, request.output_token_ids, generator, suppressed)
+        output = [*request.output_token_ids, *drafted] if drafted else request.output_token_ids
+        return SampleRow(params, request.prompt_token_ids, output, generator, suppressed)
 
-    def _output(self, request: Request, token: int, logprob) -> RequestOutput:  # type: ignore[no-untyped-def]
+    def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         stream = self._streams[request.request_id]
-        text = stream.detokenizer.add(token)
-        if stream.detokenizer.stopped and not request.finished:
-            self.scheduler.finish(request.request_id, "stop")
+        text = ""
+        for n, token in enumerate(tokens, 1):
+            text += stream.detokenizer.add(token)
+            if stream.detokenizer.stopped:
+                if n < len(tokens):  # tokens a step kept past the stop string are not output
+                    del request.output_token_ids[n - len(tokens) :]
+                    tokens = tokens[:n]
+                    request.finish_reason = "stop" if request.finished else request.finish_reason
+                if not request.finished:
+                    self.scheduler.finish(request.request_id, "stop")
+                break
         if request.finished:
             text += stream.detokenizer.flush()
             del self._streams[request.request_id]
         return RequestOutput(
             request_id=request.request_id,
-            token_ids=[token],
+            token_ids=tokens,
             text=text,
-            logprobs=[(logprob[0], logprob[1])] if logprob is not None and request.params.logprobs is not None else [],
+            logprobs=logprobs[: len(tokens)] if logprobs is not None and request.params.logprobs is not None else [],
             finished=request.finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
+            num_passes=request.num_passes,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
 

@@ -6,6 +6,10 @@ Each step:
     output = runner.execute(plan)               # the model runs the plan, samples one token per row
     finished = scheduler.update(plan, output)   # counts computed tokens, appends samples, finishes
 
+With speculative decoding, `speculate(plan, drafts)` adds proposed tokens to decode chunks before
+the pass, and `update` appends every token the verification kept, then trims the blocks that
+held rejected ones.
+
 `schedule()` first gives every running request its next tokens (one for a decoding request, a chunk
 for one still catching up with its prompt), oldest first, then admits waiting requests in arrival
 order while blocks, `max_num_seqs` and the `max_num_batched_tokens` budget allow. No request's
@@ -17,8 +21,8 @@ blocks are freed and it goes back to the front of the queue to be recomputed. No
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
@@ -147,24 +151,63 @@ class Scheduler:
         self.stats.num_steps += 1
         return StepPlan(tuple(chunks), tuple(preempted))
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
-        """Applies a step's output; returns the requests that gained a token or finished."""
+    def room(self, request: Request) -> int:
+        """Draft tokens `request` could still keep: its output may gain 1 + room more tokens."""
+        room = request.params.max_tokens - len(request.output_token_ids) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens - 1)
+        return max(room, 0)
+
+    def speculate(self, plan: StepPlan, drafts: Mapping[str, Sequence[int]]) -> StepPlan:
+        """`plan` with proposed tokens added to its decode chunks, as far as free blocks, the token
+        budget and each request's remaining tokens allow. Never preempts: a draft that does not fit
+        is shortened or dropped."""
+        budget = self.config.max_num_batched_tokens - plan.num_tokens
+        chunks = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            draft = drafts.get(request.request_id, ())
+            if draft and chunk.samples and chunk.num_new == 1:
+                k = max(0, min(len(draft), self.room(request), budget))
+                while k and not self.blocks.can_append(request.request_id, request.num_tokens + k):
+                    k -= 1
+                if k:
+                    self.blocks.append(request.request_id, request.num_tokens + k)
+                    table = tuple(self.blocks.block_table(request.request_id))
+                    chunk = replace(chunk, num_new=1 + k, block_table=table, draft=tuple(draft[:k]))
+                    budget -= k
+            chunks.append(chunk)
+        return StepPlan(tuple(chunks), plan.preempted)
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, Sequence[int]]) -> list[Request]:
+        """Applies a step's output: each sampling request's new tokens (one, or with speculation
+        the accepted draft tokens and one more). Returns the requests that gained a token or finished."""
         changed = []
         for chunk in plan.chunks:
             request = chunk.request
             if request.status is not Status.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = end = chunk.start + chunk.num_new
+            end = chunk.start + chunk.num_new - len(chunk.draft)
+            reason, kept = None, 0
+            if chunk.samples:
+                tokens = sampled[request.request_id]
+                request.num_passes += 1
+                request.num_draft_tokens += len(chunk.draft)
+                request.num_accepted_tokens += len(tokens) - 1
+                for token in tokens:
+                    request.output_token_ids.append(token)
+                    kept += 1
+                    if (reason := self._stop_reason(request, token)) is not None:
+                        break
+                changed.append(request)
+            # Every kept token but the last was a draft token whose KV this pass computed.
+            request.num_computed_tokens = end = end + max(kept - 1, 0)
             if end // self.blocks.block_size > chunk.start // self.blocks.block_size:  # a block filled up
                 self.blocks.mark_computed(request.request_id, request.token_ids(0, end))
-            if not chunk.samples:
-                continue
-            token = sampled[request.request_id]
-            request.output_token_ids.append(token)
-            changed.append(request)
-            reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
+            elif chunk.draft:
+                self.blocks.trim(request.request_id, request.num_tokens)  # blocks of rejected drafts
         return changed
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:

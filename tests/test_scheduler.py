@@ -27,7 +27,7 @@ def req(rid, prompt_len, max_tokens=8, **params):
 
 def step(s: Scheduler, token=7) -> tuple[StepPlan, list[Request]]:
     plan = s.schedule()
-    out = s.update(plan, {c.request.request_id: token for c in plan.chunks if c.samples})
+    out = s.update(plan, {c.request.request_id: [token] for c in plan.chunks if c.samples})
     s.blocks.check_integrity()
     return plan, out
 
@@ -129,7 +129,7 @@ def test_abort_frees_blocks_at_once_and_ignores_unknown_ids():
     assert s.abort("a").finish_reason == "abort"
     assert s.abort("w").status is Status.FINISHED  # waiting or running alike
     assert s.abort("nope") is None
-    assert s.update(plan, {"a": 1, "w": 1}) == []  # the in-flight step's output is dropped
+    assert s.update(plan, {"a": [1], "w": [1]}) == []  # the in-flight step's output is dropped
     assert s.blocks.num_free_blocks == s.blocks.num_blocks
     s.blocks.check_integrity()
 
@@ -168,7 +168,7 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
             s.abort(rng.choice(list(s.requests)))
         else:
             plan = s.schedule()
-            for r in s.update(plan, {c.request.request_id: rng.choice([EOS, 5, 6]) for c in plan.chunks if c.samples}):
+            for r in s.update(plan, {c.request.request_id: [rng.choice([EOS, 5, 6])] for c in plan.chunks if c.samples}):
                 if r.finished:
                     done[r.request_id] = r
         s.blocks.check_integrity()
@@ -177,7 +177,7 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
     while s.has_work:
         plan = s.schedule()
         assert not plan.empty, "work left but nothing schedulable"
-        s.update(plan, {c.request.request_id: 5 for c in plan.chunks if c.samples})
+        s.update(plan, {c.request.request_id: [5] for c in plan.chunks if c.samples})
         s.blocks.check_integrity()
     assert s.blocks.num_free_blocks == s.blocks.num_blocks
     assert all(r.finish_reason in {"stop", "length"} for r in done.values())
