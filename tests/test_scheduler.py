@@ -168,7 +168,8 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
             s.abort(rng.choice(list(s.requests)))
         else:
             plan = s.schedule()
-            for r in s.update(plan, {c.request.request_id: [rng.choice([EOS, 5, 6])] for c in plan.chunks if c.samples}):
+            sampled = {c.request.request_id: [rng.choice([EOS, 5, 6])] for c in plan.chunks if c.samples}
+            for r in s.update(plan, sampled):
                 if r.finished:
                     done[r.request_id] = r
         s.blocks.check_integrity()
