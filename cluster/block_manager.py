@@ -6,6 +6,8 @@ Lifecycle of a sequence's blocks:
     can_append(seq, n)   -> append(seq, n)          as the sequence grows, before each step
     mark_computed(seq, tokens)                      after a step computed these tokens' KV
     free(seq)                                       on finish, abort or preemption
+    trim(seq, n)                                    rejected speculative tokens give blocks back
+    fork(parent, child)                             a new beam shares its parent's blocks
 
 Blocks are reference-counted. A full block whose KV has been computed is keyed by a chained hash
 of its tokens (the hash of the previous block and its own token ids), so sequences with an equal
@@ -14,6 +16,10 @@ step computes always lands in a block of its own. A freed block keeps its conten
 it sits in the free queue; it is reused by a later hit, or evicted (least recently freed first)
 when a fresh block is needed. Sequences free their blocks tail first, so a prompt's shared head
 outlives its private tail.
+
+Forked beams share every block of their parent. A sequence about to write into a block it shares
+gets a private copy first (copy-on-write, `append(..., write_from=position)`): only the partly
+filled last block is ever written, so beams share all full blocks for their whole life.
 """
 
 from __future__ import annotations
@@ -85,9 +91,11 @@ class BlockManager:
         needed = self._blocks_for(len(tokens)) - in_use
         return len(self._free) - needed >= self.watermark_blocks
 
-    def can_append(self, seq: Hashable, num_tokens: int) -> bool:
-        """Whether `seq` can grow to `num_tokens` tokens (no watermark: running sequences may use it)."""
-        return self._blocks_for(num_tokens) - len(self._tables[seq]) <= len(self._free)
+    def can_append(self, seq: Hashable, num_tokens: int, write_from: int | None = None) -> bool:
+        """Whether `seq` can grow to `num_tokens` tokens (no watermark: running sequences may use it),
+        counting the private copy it needs if it writes from `write_from` into a shared block."""
+        needed = self._blocks_for(num_tokens) - len(self._tables[seq])
+        return needed + self._shared_at(seq, write_from) <= len(self._free)
 
     # -- changes ---------------------------------------------------------------------------------
 
@@ -116,14 +124,36 @@ class BlockManager:
             raise
         return len(hits) * self.block_size
 
-    def append(self, seq: Hashable, num_tokens: int) -> None:
-        """Grows `seq`'s table to hold `num_tokens` tokens."""
+    def append(self, seq: Hashable, num_tokens: int, write_from: int | None = None) -> tuple[int, int] | None:
+        """Grows `seq`'s table to hold `num_tokens` tokens. If the step writes from position
+        `write_from` into a block other sequences share (a forked beam), `seq` gets a private copy
+        (copy-on-write): returns (source block, new block), whose KV the runner must copy first."""
         table = self._tables[seq]
         needed = self._blocks_for(num_tokens) - len(table)
-        if needed > len(self._free):
+        if needed + self._shared_at(seq, write_from) > len(self._free):
             raise NoFreeBlocks(f"sequence {seq!r} needs {needed} blocks, {len(self._free)} free")
+        copy = None
+        if self._shared_at(seq, write_from):
+            assert write_from is not None
+            index = write_from // self.block_size
+            source = self._blocks[table[index]]
+            source.ref_count -= 1
+            table[index] = self._take_free()
+            del self._hashes[seq][index:]  # a written block is no longer the registered one
+            copy = (source.id, table[index])
         for _ in range(needed):
             table.append(self._take_free())
+        return copy
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Gives `child` the blocks of `parent`, shared by reference count (beam search)."""
+        if child in self._tables:
+            raise ValueError(f"sequence {child!r} already has blocks")
+        table = self._tables[parent]
+        for block_id in table:
+            self._blocks[block_id].ref_count += 1
+        self._tables[child] = list(table)
+        self._hashes[child] = list(self._hashes[parent])
 
     def mark_computed(self, seq: Hashable, tokens: Sequence[int]) -> None:
         """Registers the full blocks among `seq`'s leading `tokens`, whose KV is now in the cache."""
@@ -162,6 +192,14 @@ class BlockManager:
                 self._free[block_id] = None
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _shared_at(self, seq: Hashable, position: int | None) -> int:
+        """1 if the block holding `position` exists and other sequences share it, else 0."""
+        if position is None:
+            return 0
+        table = self._tables[seq]
+        index = position // self.block_size
+        return int(index < len(table) and self._blocks[table[index]].ref_count > 1)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -53,6 +53,7 @@ class ModelRunner:
         chunks = [SeqChunk(c.block_table, c.start, c.num_new) for c in plan.chunks]
         decode_only = all(c.num_new == 1 and c.samples for c in plan.chunks)
         if self.compiled is not None and after_layer is None and decode_only and self.compiled.fits(len(chunks)):
+            self.copy_blocks(plan.copies)
             input_ids = [i for c in plan.chunks for i in c.input_token_ids]
             return self.sampler(self.compiled(input_ids, chunks, self.kv_cache).cpu(), rows)
         logits = self.logits(plan, after_layer)
@@ -63,6 +64,7 @@ class ModelRunner:
         """One eager forward pass over `plan`; float32 logits [R, vocab] on the CPU, where each chunk
         that samples gives one row per draft token plus one (its last 1 + len(draft) positions),
         in plan order. None when no chunk samples."""
+        self.copy_blocks(plan.copies)
         chunks, input_ids, rows = [], [], []
         for c in plan.chunks:
             if c.samples:
@@ -77,6 +79,17 @@ class ModelRunner:
             return None
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[index]).float().cpu()
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies whole KV blocks, every layer (copy-on-write for beams that share a block)."""
+        if not copies:
+            return
+        source = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dest = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_cache:
+            k_cache.index_copy_(0, dest, k_cache.index_select(0, source))
+            v_cache.index_copy_(0, dest, v_cache.index_select(0, source))
 
 
 def num_kv_blocks(model: CausalLM, cache: CacheConfig) -> int:

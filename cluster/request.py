@@ -31,6 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the sampled token's and the top n
     speculative_tokens: int | None = None  # None: the deployment's setting; 0: no speculation
+    num_beams: int = 1  # > 1: beam search (deterministic; sampling parameters are ignored)
+    length_penalty: float = 1.0  # beam search: scores are sum of log-probs / length ** length_penalty
+    early_stopping: str = "false"  # beam search: "true", "false" (heuristic) or "never"
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,7 +47,20 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
             (self.speculative_tokens is None or self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
             (all(self.stop), "stop strings must not be empty"),
+            (self.num_beams >= 1, "num_beams must be >= 1"),
+            (self.early_stopping in ("true", "false", "never"), 'early_stopping must be "true", "false" or "never"'),
         ]
+        if self.num_beams > 1:
+            checks += [
+                (not self.stop, "beam search does not support stop strings"),
+                (self.logprobs is None, "beam search does not support logprobs"),
+                (self.min_tokens == 0, "beam search does not support min_tokens"),
+                (not self.speculative_tokens, "beam search cannot be combined with speculative decoding"),
+                (
+                    self.repetition_penalty == 1 and self.presence_penalty == 0 and self.frequency_penalty == 0,
+                    "beam search does not support penalties",
+                ),
+            ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -118,6 +134,7 @@ class Request:
     num_passes: int = 0  # forward passes that gave this request tokens
     num_draft_tokens: int = 0  # speculative tokens proposed for it
     num_accepted_tokens: int = 0  # and kept
+    group: str | None = None  # beam search: the id of the request whose beam this is
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -164,6 +181,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks to copy before the pass
 
     @property
     def num_tokens(self) -> int:

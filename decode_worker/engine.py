@@ -13,6 +13,9 @@ With a proposer (`cluster.speculative`), each step first asks it for draft token
 requests, the scheduler adds them to the plan, one eager pass scores them all, and
 `Sampler.verify` keeps what the target model agrees with: a request may gain several tokens in a
 step. Requests with and without speculation, and with different draft lengths, share a batch.
+
+A request with `num_beams > 1` runs beam search (`decode_worker.beam`): its beams are sequences in
+the same batch that share KV blocks, and its one output, at the end, carries every beam.
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ from cluster.model_runner import ModelRunner, num_kv_blocks
 from cluster.request import Request, SamplingParams, StepPlan
 from cluster.sampler import Draft, Sampler, SampleRow, TokenLogprob
 from cluster.speculative import Proposer
+from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.compiled import CompiledDecode
 from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
 from decode_worker.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class BeamOutput:
+    token_ids: list[int]
+    text: str
+    score: float  # sum of log-probs / len(token_ids) ** length_penalty
 
 
 @dataclass
@@ -51,6 +62,7 @@ class RequestOutput:
     num_passes: int = 0  # target-model passes that gave this request tokens
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # and kept
+    beams: list[BeamOutput] = field(default_factory=list)  # beam search: every beam, best first, at the end
 
 
 @dataclass
@@ -92,6 +104,7 @@ class Engine:
         self.lock = threading.Lock()
         self._reserved: set[str] = set()  # request ids holding blocks for a KV transfer in flight
         self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
+        self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
 
@@ -115,6 +128,8 @@ class Engine:
         with self.lock:
             if request_id in self._reserved or request_id in self.scheduler.requests:
                 raise KeyError(f"request id {request_id!r} is already in use on this worker")
+            if params.num_beams > 1:
+                raise ValueError("beam search requests are prefilled on the decode worker, not transferred")
             self.scheduler.check(request)
             blocks = self.scheduler.blocks
             if len(self.scheduler.running) + len(self._reserved) >= self.max_num_seqs:
@@ -160,7 +175,10 @@ class Engine:
         with self.lock:
             if request_id in self._reserved:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.scheduler.add(request)
+            if params.num_beams > 1:
+                self.beams.add(request)
+            else:
+                self.scheduler.add(request)
             self._open_stream(request)
 
     def _open_stream(self, request: Request) -> _Stream:
@@ -174,7 +192,7 @@ class Engine:
         with self.lock:
             self._streams.pop(request_id, None)
             self._pending = [out for out in self._pending if out.request_id != request_id]
-            found = self.scheduler.abort(request_id) is not None
+            found = self.beams.abort(request_id) or self.scheduler.abort(request_id) is not None
             if self.proposer is not None:
                 self.proposer.retain(self.scheduler.requests)
             return found
@@ -186,20 +204,33 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if self.beams:
+            plan = self.beams.settle(plan)
         if plan.empty:
             return []
         drafts: dict[str, Draft] = {}
         if self.num_speculative_tokens:
             plan, drafts = self._speculate(plan)
-        sampling = [c for c in plan.chunks if c.samples]
+        sampling = [c for c in plan.chunks if c.samples and c.request.group is None]
+        beaming = [c for c in plan.chunks if c.samples and c.request.group is not None]
         before = {c.request.request_id: len(c.request.output_token_ids) for c in sampling}
         logprobs: list[list[TokenLogprob]] | None
-        if drafts:
-            rows = [self._row(c.request, c.draft[:j]) for c in sampling for j in range(len(c.draft) + 1)]
-            verifying = [self._draft(c.draft, drafts.get(c.request.request_id)) for c in sampling]
+        beam_logits: dict[str, torch.Tensor] = {}
+        if drafts or beaming:
             logits = self.runner.logits(plan)
             assert logits is not None
-            verified = self.runner.sampler.verify(logits, rows, verifying)
+            rows, verifying, plain_rows, at = [], [], [], 0
+            for c in plan.chunks:
+                if not c.samples:
+                    continue
+                if c.request.group is not None:
+                    beam_logits[c.request.request_id] = logits[at]
+                else:
+                    rows += [self._row(c.request, c.draft[:j]) for j in range(len(c.draft) + 1)]
+                    verifying.append(self._draft(c.draft, drafts.get(c.request.request_id)))
+                    plain_rows += range(at, at + len(c.draft) + 1)
+                at += 1 + len(c.draft)
+            verified = self.runner.sampler.verify(logits[plain_rows], rows, verifying)
             tokens, logprobs = verified.token_ids, verified.logprobs
         else:
             result = self.runner.execute(plan, [self._row(c.request) for c in sampling])
@@ -211,19 +242,40 @@ class Engine:
         sampled = dict(zip(ids, tokens, strict=True))
         lps = dict(zip(ids, logprobs, strict=True)) if logprobs is not None else {}
         outputs = []
-        for request in self.scheduler.update(plan, sampled):
+        stepped = StepPlan(tuple(c for c in plan.chunks if not (c.samples and c.request.group is not None)))
+        for request in self.scheduler.update(stepped, sampled):
             new = request.output_token_ids[before[request.request_id] :]
             outputs.append(self._output(request, new, lps.get(request.request_id)))
+        outputs += [self._beam_output(result) for result in self.beams.advance(beam_logits)]
         if self.proposer is not None:
             self.proposer.retain(self.scheduler.requests)  # finished requests' draft state goes now
         return outputs
+
+    def _beam_output(self, result: BeamResult) -> RequestOutput:
+        request = result.request
+        del self._streams[request.request_id]
+        decode = self.tokenizer.decode
+        beams = [BeamOutput(list(h.token_ids), decode(list(h.token_ids)), h.score) for h in result.hypotheses]
+        best = beams[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=best.token_ids,
+            text=best.text,
+            finished=True,
+            finish_reason=result.hypotheses[0].finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(best.token_ids),
+            num_passes=len(best.token_ids),
+            beams=beams,
+        )
 
     def _speculate(self, plan: StepPlan) -> tuple[StepPlan, dict[str, Draft]]:
         """Asks the proposer for each decoding request's draft and adds what fits to the plan."""
         assert self.proposer is not None
         candidates, ks = [], []
         for c in plan.chunks:
-            if c.samples and c.num_new == 1 and (k := self._draft_length(c.request)) > 0:
+            if c.samples and c.num_new == 1 and c.request.group is None and (k := self._draft_length(c.request)) > 0:
                 candidates.append(c.request)
                 ks.append(k)
         if not candidates:

@@ -70,7 +70,7 @@ class Scheduler:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.params.max_tokens}) "
                 f"exceeds the context window ({limit})"
             )
-        total = request.num_prompt_tokens + request.params.max_tokens
+        total = (request.num_prompt_tokens + request.params.max_tokens) * request.params.num_beams
         usable = (self.blocks.num_blocks - self.blocks.watermark_blocks) * self.blocks.block_size
         if total > usable:
             raise ValueError(f"prompt + max_tokens ({total} tokens) exceeds this worker's KV cache ({usable} tokens)")
@@ -117,12 +117,13 @@ class Scheduler:
         chunk_limit = self.config.long_prefill_chunk
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        copies: list[tuple[int, int]] = []
         for request in list(self.running):
             if request.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget, chunk_limit)
-            end = request.num_computed_tokens + n
-            while not self.blocks.can_append(request.request_id, end):
+            start = request.num_computed_tokens
+            n = min(request.num_tokens - start, budget, chunk_limit)
+            while not self.blocks.can_append(request.request_id, start + n, write_from=start):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -130,7 +131,8 @@ class Scheduler:
                     break
             if request.status is not Status.RUNNING:
                 continue
-            self.blocks.append(request.request_id, end)
+            if (copy := self.blocks.append(request.request_id, start + n, write_from=start)) is not None:
+                copies.append(copy)
             chunks.append(self._chunk(request, n))
             budget -= n
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
@@ -149,7 +151,42 @@ class Scheduler:
             chunks.append(self._chunk(request, n))
             budget -= n
         self.stats.num_steps += 1
-        return StepPlan(tuple(chunks), tuple(preempted))
+        return StepPlan(tuple(chunks), tuple(preempted), tuple(copies))
+
+    # -- beam search: a request's running beams are sequences that share blocks ---------------------
+
+    def fork(self, parent: Request, child_id: str, token: int) -> Request:
+        """A running sequence that continues `parent` with `token`, sharing its blocks; it takes
+        the parent's place in the running order. `parent`'s KV must be computed through its last token."""
+        child = Request(
+            child_id, parent.prompt_token_ids, parent.params, parent.arrival, [*parent.output_token_ids, token],
+            num_computed_tokens=parent.num_tokens, num_cached_tokens=parent.num_cached_tokens,
+            status=Status.RUNNING, group=parent.group,
+        )  # fmt: skip
+        self.blocks.fork(parent.request_id, child_id)
+        self.requests[child_id] = child
+        self.running.insert(self.running.index(parent), child)
+        return child
+
+    def remove(self, request_id: str) -> None:
+        """Drops a request without finishing it (a beam replaced by its continuations): frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self.blocks.free(request_id)
+        request.status = Status.FINISHED
+
+    def requeue(self, request: Request) -> None:
+        """Puts a request back at the front of the queue (a beam search restarting after preemption)."""
+        self.check(request)
+        request.status = Status.WAITING
+        request.num_computed_tokens = 0
+        self.requests[request.request_id] = request
+        self.waiting.appendleft(request)
 
     def room(self, request: Request) -> int:
         """Draft tokens `request` could still keep: its output may gain 1 + room more tokens."""
