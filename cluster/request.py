@@ -89,7 +89,20 @@ def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.speculative_tokens is not None:
+        m.speculative_tokens = p.speculative_tokens
+    if p.num_beams > 1:
+        m.num_beams = p.num_beams
+        m.length_penalty = p.length_penalty
+        m.early_stopping = EARLY_STOPPING[p.early_stopping]
     return m
+
+
+EARLY_STOPPING = {
+    "false": api_pb2.EARLY_STOPPING_HEURISTIC,
+    "true": api_pb2.EARLY_STOPPING_FIRST,
+    "never": api_pb2.EARLY_STOPPING_NEVER,
+}
 
 
 def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
@@ -110,6 +123,10 @@ def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
+        speculative_tokens=m.speculative_tokens if m.HasField("speculative_tokens") else None,
+        num_beams=max(m.num_beams, 1),
+        length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
+        early_stopping={v: k for k, v in EARLY_STOPPING.items()}[m.early_stopping],
     )
 
 

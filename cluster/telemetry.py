@@ -64,6 +64,16 @@ class Metrics:
         self.running = prom.Gauge("tandem_running_seqs", "Sequences in the running batch.", registry=r)
         self.waiting = prom.Gauge("tandem_waiting_seqs", "Sequences waiting.", registry=r)
         self.prefix_hit_rate = prom.Gauge("tandem_prefix_cache_hit_rate", "Prefix-cache block hit rate.", registry=r)
+        self.spec_draft_tokens = prom.Counter(
+            "tandem_spec_draft_tokens", "Speculative tokens proposed on this worker.", registry=r
+        )
+        self.spec_accepted_tokens = prom.Counter(
+            "tandem_spec_accepted_tokens", "Speculative tokens the target model kept.", registry=r
+        )
+        self.spec_tokens_per_pass = histogram(
+            "tandem_spec_tokens_per_pass", "Output tokens per target-model pass, per speculating request.",
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0),
+        )  # fmt: skip
         self.slo_attainment = prom.Gauge(
             "tandem_slo_attainment", "Share of recent requests that met both TTFT and TPOT targets.", registry=r
         )

@@ -46,6 +46,7 @@ class BeamOutput:
     token_ids: list[int]
     text: str
     score: float  # sum of log-probs / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" or "length"
 
 
 @dataclass
@@ -254,15 +255,17 @@ class Engine:
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         request = result.request
         del self._streams[request.request_id]
-        decode = self.tokenizer.decode
-        beams = [BeamOutput(list(h.token_ids), decode(list(h.token_ids)), h.score) for h in result.hypotheses]
+        beams = [
+            BeamOutput(list(h.token_ids), self.tokenizer.decode(list(h.token_ids)), h.score, h.finish_reason)
+            for h in result.hypotheses
+        ]
         best = beams[0]
         return RequestOutput(
             request_id=request.request_id,
             token_ids=best.token_ids,
             text=best.text,
             finished=True,
-            finish_reason=result.hypotheses[0].finish_reason,
+            finish_reason=best.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(best.token_ids),

@@ -95,6 +95,7 @@ class Scheduler:
         self.running.append(request)
         self.blocks.mark_computed(request.request_id, request.prompt_token_ids)
         request.output_token_ids.append(first_token)
+        request.num_passes = 1  # the prefill worker's pass gave the first token
         reason = self._stop_reason(request, first_token)
         if reason is not None:
             self._finish(request, reason)

@@ -29,6 +29,7 @@ from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv_wire import model_fingerprint
 from cluster.loader import load_model
+from cluster.speculative import build_proposer
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import server_credentials
 from cluster.tokenizer import Tokenizer
@@ -45,13 +46,14 @@ FINISH = {
 
 
 def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
+    """The worker's message for an engine output; the last one carries speculation counts and beams."""
     logprobs = [
         api_pb2.TokenLogprob(
             token_id=token, logprob=lp, top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
         )
         for token, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)
     ]
-    return worker_pb2.WorkerTokens(
+    msg = worker_pb2.WorkerTokens(
         request_id=out.request_id,
         token_ids=out.token_ids,
         logprobs=logprobs,
@@ -59,6 +61,22 @@ def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
         text=out.text,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+    )
+    if out.finished and out.num_draft_tokens:
+        msg.speculation.CopyFrom(speculation_stats(out))
+    for beam in out.beams:
+        reason = FINISH[beam.finish_reason]
+        msg.beams.append(api_pb2.Beam(text=beam.text, token_ids=beam.token_ids, score=beam.score, finish_reason=reason))
+    return msg
+
+
+def speculation_stats(out: RequestOutput) -> api_pb2.SpeculationStats:
+    return api_pb2.SpeculationStats(
+        draft_tokens=out.num_draft_tokens,
+        accepted_tokens=out.num_accepted_tokens,
+        target_passes=out.num_passes,
+        acceptance_rate=out.num_accepted_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0,
+        tokens_per_pass=out.num_output_tokens / out.num_passes if out.num_passes else 0.0,
     )
 
 
@@ -168,7 +186,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
                 finished = out.finished
                 yield tokens_message(out)
                 if finished:
-                    self._observe(parent, rid, request.remote_prefill, submitted, first_at, tokens, out.finish_reason)
+                    self._observe(parent, rid, request.remote_prefill, submitted, first_at, out)
                     return
         finally:  # however the call ends: a finished request is forgotten, anything else aborted
             if finished:
@@ -215,8 +233,9 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _observe(self, parent, rid: str, remote: bool, submitted: float, first_at: float, tokens: int, reason) -> None:  # type: ignore[no-untyped-def]
-        """Spans of one request here: its KV's admission (remote prefill) and its decode."""
+    def _observe(self, parent, rid: str, remote: bool, submitted: float, first_at: float, out: RequestOutput) -> None:  # type: ignore[no-untyped-def]
+        """Spans of one request here (its KV's admission, for a remote prefill, and its decode) and
+        its speculative-decoding counts."""
         t = self.telemetry
         admitted = self.intake.admitted.pop(rid, None)
         if remote and admitted is not None:
@@ -230,9 +249,22 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
                 tandem__kv__bytes=nbytes,
             )
         start = submitted if not remote else (admitted[1] if admitted else first_at)
+        spec = {}
+        if out.num_draft_tokens:
+            stats = speculation_stats(out)
+            t.metrics.spec_draft_tokens.inc(stats.draft_tokens)
+            t.metrics.spec_accepted_tokens.inc(stats.accepted_tokens)
+            t.metrics.spec_tokens_per_pass.observe(stats.tokens_per_pass)
+            spec = dict(
+                tandem__spec__draft_tokens=stats.draft_tokens,
+                tandem__spec__accepted_tokens=stats.accepted_tokens,
+                tandem__spec__acceptance_rate=stats.acceptance_rate,
+                tandem__spec__tokens_per_pass=stats.tokens_per_pass,
+            )
         t.record(
-            "decode", parent, start, time.time(), tandem__worker=self.worker_id, gen_ai__usage__output_tokens=tokens,
-            gen_ai__response__finish_reasons=[reason or "abort"], tandem__prefill_mode="remote" if remote else "local",
+            "decode", parent, start, time.time(), tandem__worker=self.worker_id,
+            gen_ai__usage__output_tokens=out.num_output_tokens, gen_ai__response__finish_reasons=[out.finish_reason],
+            tandem__prefill_mode="remote" if remote else "local", **spec,
         )  # fmt: skip
 
     def _on_wedge(self, wedged: bool) -> None:
@@ -292,9 +324,11 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     m = config.model
     model = load_model(m.path, m.dtype, m.device)
     tokenizer = Tokenizer(m.path)
+    spec = config.speculative
     engine = Engine(
-        model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed
-    )
+        model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
+        proposer=build_proposer(spec, model, config.cache.block_size, m.seed), num_speculative_tokens=spec.num_tokens,
+    )  # fmt: skip
     t = config.transfer
     secret = config.auth.cluster_secret
     intake = KVIntake(

@@ -96,6 +96,27 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Beam:
+    """One beam of a beam search (`num_beams` > 1)."""
+
+    text: str
+    token_ids: list[int]
+    score: float  # sum of log-probs / length ** length_penalty
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How speculative decoding went for a request."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    target_passes: int
+    acceptance_rate: float
+    tokens_per_pass: float
+
+
+@dataclass(frozen=True)
 class Completion:
     """A whole completion."""
 
@@ -107,6 +128,8 @@ class Completion:
     completion_tokens: int
     cached_prompt_tokens: int
     metadata: dict[str, str]  # the router's placement: "tandem-prefill", "tandem-decode", ...
+    beams: list[Beam] = field(default_factory=list)  # beam search: every beam, best first
+    speculation: Speculation | None = None  # when the request used speculative decoding
 
 
 def _settings(client, target, api_key, timeout, retries, backoff_s) -> None:  # type: ignore[no-untyped-def]
@@ -169,7 +192,16 @@ class _Assembler:
             completion_tokens=last.usage.completion_tokens,
             cached_prompt_tokens=last.usage.cached_prompt_tokens,
             metadata=metadata,
+            beams=[Beam(b.text, list(b.token_ids), b.score, _FINISH.get(b.finish_reason)) for b in last.beams],
+            speculation=_speculation(last),
         )
+
+
+def _speculation(m: api_pb2.GenerateResponse) -> Speculation | None:
+    if not m.HasField("speculation"):
+        return None
+    s = m.speculation
+    return Speculation(s.draft_tokens, s.accepted_tokens, s.target_passes, s.acceptance_rate, s.tokens_per_pass)
 
 
 class Client:

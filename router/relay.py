@@ -110,6 +110,7 @@ class Stream:
     status: str = "error"
     finish_reason: int = 0
     timing: RequestTiming | None = None
+    speculation: api_pb2.SpeculationStats | None = None
 
     def response(self, msg) -> api_pb2.GenerateResponse:  # type: ignore[no-untyped-def]
         """The client's message for a worker's `WorkerTokens`; the last one carries usage and the SLO report."""
@@ -131,6 +132,10 @@ class Stream:
                 )
             )  # fmt: skip
             out.slo.CopyFrom(slo_report(timing, self.targets))
+            if msg.HasField("speculation"):
+                out.speculation.CopyFrom(msg.speculation)
+            out.beams.extend(msg.beams)
+            self.speculation = msg.speculation if msg.HasField("speculation") else None
             self.status, self.finish_reason = "ok", msg.finish_reason
         return out
 
@@ -169,6 +174,15 @@ def account(telemetry: Telemetry, slo: SLOWindow, root: trace.Span, stream: Stre
             "tandem.slo_met": met,
         }
     )
+    if (spec := stream.speculation) is not None:
+        root.set_attributes(
+            {
+                "tandem.spec.draft_tokens": spec.draft_tokens,
+                "tandem.spec.accepted_tokens": spec.accepted_tokens,
+                "tandem.spec.acceptance_rate": spec.acceptance_rate,
+                "tandem.spec.tokens_per_pass": spec.tokens_per_pass,
+            }
+        )
 
 
 def describe(choice: Choice) -> str:

@@ -235,7 +235,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         same client stream continues, no token lost or repeated (at most `migration_limit` times)."""
         s = self.settings
         try:
-            choice = self._place(stream.prompt, params.max_tokens, wait_s=0)
+            choice = self._place(stream.prompt, params, wait_s=0)
         except NoCapacity as e:
             stream.status = "rejected"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -258,9 +258,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                     stream.status = "cancelled"
                     return
                 try:
-                    choice = self._place(
-                        stream.prompt + stream.generated, params.max_tokens - streamed, s.migration_wait_s
-                    )
+                    choice = self._place(stream.prompt + stream.generated, rest, s.migration_wait_s)
                 except NoCapacity as e:
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
             try:
@@ -278,13 +276,16 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                 event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
                 root.add_event("migration", {**event, "tandem.error": broken.details})
 
-    def _place(self, prompt: list[int], max_tokens: int, wait_s: float) -> Choice:
-        """Chooses workers, waiting up to `wait_s` for one to come back (a restarting worker)."""
+    def _place(self, prompt: list[int], params: SamplingParams, wait_s: float) -> Choice:
+        """Chooses workers, waiting up to `wait_s` for one to come back (a restarting worker).
+        Beam search needs the prompt's logits on the decode worker, so it is prefilled there."""
         s = self.settings
         deadline = time.monotonic() + wait_s
+        local = s.local_prefill_max_tokens if params.num_beams == 1 else len(prompt)
+        max_tokens = params.max_tokens * params.num_beams
         while True:
             try:
-                return choose(prompt, max_tokens, self.pool.loads(), s.block_size, s.local_prefill_max_tokens)
+                return choose(prompt, max_tokens, self.pool.loads(), s.block_size, local)
             except NoCapacity:
                 if time.monotonic() >= deadline or not wait_s:
                     raise

@@ -15,6 +15,7 @@ from tandem.v1 import api_pb2
 
 from cluster.request import SamplingParams, params_from_proto
 
+MAX_BEAMS = 16  # each beam is a sequence in the decode batch
 _ID = re.compile(r"[A-Za-z0-9_.:/-]+")  # ids travel in gRPC metadata, which takes printable ASCII only
 
 
@@ -107,6 +108,8 @@ def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> 
         ("stop", len(m.stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings"),
         ("stop", all(m.stop), "stop strings must not be empty"),
         ("stop", all(len(s) <= limits.max_stop_string_chars for s in m.stop), "a stop string is too long"),
+        ("num_beams", m.num_beams <= MAX_BEAMS, f"must be <= {MAX_BEAMS}"),
+        ("early_stopping", m.early_stopping in api_pb2.EarlyStopping.values(), "unknown value"),
     ]
     for field, ok, message in checks:
         if not ok:
@@ -117,4 +120,7 @@ def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> 
     resolved = api_pb2.SamplingParams()
     resolved.CopyFrom(m)
     resolved.max_tokens = max_tokens  # the wire's 0, "up to the context window", resolved
-    return params_from_proto(resolved)
+    try:
+        return params_from_proto(resolved)
+    except ValueError as e:  # a combination no field check catches (beam search with stop strings, ...)
+        raise InvalidRequest("sampling", str(e)) from None
