@@ -131,21 +131,26 @@ class DraftProposer:
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             hidden = self.model(ids_t, meta.positions, self.kv_cache, meta)
             logits = self.model.compute_logits(hidden[meta.last_token_index]).float().cpu()
-            rows = [rows_for(r, tokens[i]) for i, r in batch]
-            dist = self.sampler.probabilities(logits, rows)
-            for (i, r), row, p in zip(batch, rows, dist, strict=True):
-                state = self._states[r.request_id]
-                if row.params.greedy:
-                    token = int(p.argmax())
-                else:
-                    token = self.sampler.draw_one(p, state.generator or self.sampler.generator)
-                tokens[i].append(token)
-                probs[i].append(p)
+            # Greedy requests take the draft's argmax (a guess needs no penalties, and greedy
+            # verification needs no draft probabilities); sampled ones draw from the distribution
+            # their own parameters give, which verification needs.
+            greedy = logits.argmax(-1).tolist()
+            sampled = [(n, i, r) for n, (i, r) in enumerate(batch) if not r.params.greedy]
+            if sampled:
+                rows = [rows_for(r, tokens[i]) for _, i, r in sampled]
+                dist = self.sampler.probabilities(logits[[n for n, _, _ in sampled]], rows)
+                for (_, i, r), p in zip(sampled, dist, strict=True):
+                    state = self._states[r.request_id]
+                    probs[i].append(p)
+                    tokens[i].append(self.sampler.draw_one(p, state.generator or self.sampler.generator))
+            for n, (i, r) in enumerate(batch):
+                if r.params.greedy:
+                    tokens[i].append(greedy[n])
         for i, r, k in live:
             state = self._states[r.request_id]
             state.computed = r.num_tokens + k - 1
             state.proposed_at, state.proposed = r.num_tokens, tuple(tokens[i])
-            drafts[i] = Draft(tuple(tokens[i]), torch.stack(probs[i]))
+            drafts[i] = Draft(tuple(tokens[i]), torch.stack(probs[i]) if probs[i] else None)
         return drafts
 
     def _prepare(self, request: Request, k: int) -> bool:

@@ -403,6 +403,17 @@ def test_notes_tell_how_to_reach_router_and_dashboard(helm, tmp_path):
     assert f"port-forward service/{RELEASE}-head-svc 8265:8265" in notes
 
 
+def test_packaged_chart_renders_the_same_objects(helm, tmp_path, render):
+    result = subprocess.run([helm, "package", str(CHART), "-d", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (package,) = tmp_path.glob("tandem-*.tgz")
+    args = ["template", RELEASE, str(package), "-n", NAMESPACE, "--kube-version", KUBE_VERSION]
+    result = subprocess.run([helm, *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    packaged = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout) if d}
+    assert packaged == render()
+
+
 # -- what the pods run besides Tandem ---------------------------------------------------------------
 
 
