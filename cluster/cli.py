@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from cluster.arch import ARCHITECTURES, ModelFormatError
 from cluster.config import ConfigError, load_config
@@ -50,6 +51,16 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     init.add_argument("--max-shard-mb", type=float, default=None, help="split weights into shards of this size")
     init.add_argument("--out", required=True, help="folder to write")
     init.set_defaults(run=_model_init)
+    quant = model.add_parser("quantize", help="write a weight-only quantised copy of a model folder")
+    quant.add_argument("--model", required=True, help="the model folder to read")
+    quant.add_argument("--weight-dtype", choices=["int8", "int4"], required=True, help="int8 or int4 weights")
+    quant.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], default=128, help="int4 group size")
+    quant.add_argument("--keep-lm-head", action="store_true", help="leave the LM head unquantised")
+    quant.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="scales' and activations' dtype"
+    )
+    quant.add_argument("--out", required=True, help="folder to write")
+    quant.set_defaults(run=_model_quantize)
 
     config = commands.add_parser("config", help="cluster config files").add_subparsers(required=True, metavar="ACTION")
     check = config.add_parser("check", help="validate a YAML or JSON cluster config")
@@ -71,6 +82,17 @@ def _model_init(args: argparse.Namespace) -> None:
     shard = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
     out = init_model_folder(args.out, args.preset, args.arch, args.dtype, args.seed, shard)
     print(f"wrote {args.preset} {args.arch} ({args.dtype}) to {out}")
+
+
+def _model_quantize(args: argparse.Namespace) -> None:
+    from cluster.loader import load_model, save_quantized
+    from cluster.quant import weight_bytes
+
+    source = Path(args.model)
+    model = load_model(source, args.dtype, "cpu", args.weight_dtype, args.group_size, not args.keep_lm_head)
+    save_quantized(model, source, Path(args.out))
+    mib = weight_bytes(model) / 2**20
+    print(f"wrote {args.weight_dtype} weights of {source} to {args.out} ({mib:.1f} MiB read per step)")
 
 
 def offline_generate(args: argparse.Namespace) -> None:

@@ -36,6 +36,18 @@ class ModelConfig(_Part):
         description="Longest prompt + completion in tokens; defaults to the model's max_position_embeddings.",
     )
     seed: int = Field(default=0, description="Seed for weight-independent randomness (sampling defaults).")
+    weight_dtype: Literal["auto", "int8", "int4"] = Field(
+        default="auto",
+        description="Weight-only quantisation of the linear layers at load (CPU): auto keeps dtype; int8 per output "
+        "channel; int4 in groups of weight_group_size input columns. A folder Tandem wrote quantised loads as it is.",
+    )
+    weight_group_size: Literal[32, 64, 128, 256] = Field(
+        default=128, description="With weight_dtype=int4: input columns sharing one scale and offset."
+    )
+    quantize_lm_head: bool = Field(
+        default=True,
+        description="With weight_dtype int8/int4: quantise the LM head too (a decode step reads it whole).",
+    )
 
     @property
     def served_name(self) -> str:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from cluster.arch import ModelArch, ModelFormatError
 from cluster.model import CausalLM, rope_inv_freq
+from cluster.quant import quantize, quantized_skeleton
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -127,8 +128,17 @@ def load_weights(model: CausalLM, folder: Path) -> None:
         raise ModelFormatError("lm_head.weight differs from the embedding but tie_word_embeddings is true")
 
 
-def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
-    """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`."""
+def load_model(
+    folder: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    weight_dtype: str = "auto",
+    group_size: int = 128,
+    quantize_lm_head: bool = True,
+) -> CausalLM:
+    """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`; with
+    `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.quant`). A folder written
+    by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's)."""
     folder = Path(folder)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -139,8 +149,63 @@ def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") 
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties; tie again
     model.inv_freq = rope_inv_freq(arch.rope, arch.head_dim).to(device)  # stays float32
-    load_weights(model, folder)
+    saved = json.loads((folder / "config.json").read_text()).get(QUANT_KEY)
+    if saved is not None:
+        if weight_dtype not in ("auto", saved["weight_dtype"]):
+            raise ValueError(f"{folder} holds {saved['weight_dtype']} weights; it cannot load as {weight_dtype}")
+        quantized_skeleton(model, saved["weight_dtype"], saved["group_size"], saved["lm_head"])
+        _load_state(model, folder)
+    else:
+        load_weights(model, folder)
+        quantize(model, weight_dtype, group_size, quantize_lm_head)
     return model.eval().requires_grad_(False)
+
+
+QUANT_KEY = "tandem_quantization"  # config.json: how a folder's weights were quantised
+
+
+def save_quantized(model: CausalLM, source: Path, out: Path) -> None:
+    """Writes a quantised `model` (loaded from `source`) as a folder `load_model` reads back:
+    `source`'s config (plus how it was quantised), tokenizer and generation files, and the
+    model's own tensors (Tandem's names, the quantised weights as they are)."""
+    from safetensors.torch import save_file
+
+    if getattr(model, "quantization", None) is None:
+        raise ValueError("the model is not quantised")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and path.suffix in (".json", ".txt", ".jinja") and path.name != INDEX_FILE:
+            (out / path.name).write_bytes(path.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config[QUANT_KEY] = model.quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if (
+        model.arch.tie_word_embeddings
+        and "lm_head.weight" in state
+        and state["lm_head.weight"] is state.get("embed_tokens.weight")
+    ):
+        del state["lm_head.weight"]
+    save_file(state, str(out / SINGLE_FILE))
+
+
+def _load_state(model: CausalLM, folder: Path) -> None:
+    """Loads a folder `save_quantized` wrote: exactly the model's own tensors, or an error naming one."""
+    expected = model.state_dict()
+    if model.arch.tie_word_embeddings and expected.get("lm_head.weight") is expected.get("embed_tokens.weight"):
+        expected.pop("lm_head.weight")
+    state = dict(iter_tensors(folder))
+    for name in sorted(set(expected) | set(state)):
+        if name not in state:
+            raise ModelFormatError(f"missing tensor {name!r} in {folder}")
+        if name not in expected:
+            raise ModelFormatError(f"unexpected tensor {name!r} in {folder}")
+        if state[name].shape != expected[name].shape or state[name].dtype != expected[name].dtype:
+            raise ModelFormatError(
+                f"tensor {name!r} is {state[name].dtype} {tuple(state[name].shape)}, expected "
+                f"{expected[name].dtype} {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=False)
 
 
 def export_weights(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -322,7 +322,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
 def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     """A decode worker for the config's model, cache, batching and transfer settings (not started)."""
     m = config.model
-    model = load_model(m.path, m.dtype, m.device)
+    model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
     tokenizer = Tokenizer(m.path)
     spec = config.speculative
     engine = Engine(

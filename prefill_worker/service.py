@@ -254,7 +254,7 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     m = config.model
     if config.transfer.transport == "local":
         raise ValueError('transfer.transport "local" needs prefill and decode in one process; use grpc or collective')
-    model = load_model(m.path, m.dtype, m.device)
+    model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
     eos = Tokenizer(m.path).eos_token_ids
     num_blocks = num_kv_blocks(model, config.cache)
     engine = PrefillEngine(model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed)

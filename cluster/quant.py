@@ -1,0 +1,179 @@
+"""Weight-only quantisation: fewer bytes per weight, read by kernels that take them as they are.
+
+Decode reads every weight once per step, so bytes per weight set its floor. `quantize(model, ...)`
+swaps each `nn.Linear` of a built model for a module holding smaller weights, in place; the
+layers' code does not change (nothing in the model asks whether it is quantised):
+
+- `int8`: one signed byte per weight and one scale per output channel (symmetric, max-abs / 127);
+  the product is torch's int8 weight-only kernel (`torch._weight_int8pack_mm`), which reads the
+  int8 matrix and scales in its inner loop.
+- `int4`: half a byte per weight, with a scale and an offset per `group_size` input columns of each
+  output channel (asymmetric, min / max); the product is torch's int4 kernel
+  (`torch._weight_int4pack_mm_for_cpu`) over weights packed once at load
+  (`torch._convert_weight_to_int4pack_for_cpu`).
+
+Activations stay in the model's dtype (float32 or bfloat16). The embedding table is never
+quantised (a step reads only its own tokens' rows); the LM head is by default (a decode step reads
+it whole: for SmolLM-135M it is a fifth of the bytes). `save_quantized` / `load_model` round-trip a
+quantised model through a folder: int4 weights are stored two per byte in their plain order, and
+packed for the kernel at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+WEIGHT_DTYPES = ("auto", "int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N]): w ≈ q * scales[:, None]."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 values in [0, 15] [N, K], float32 scales [N, K / g], float32 minimums [N, K / g]):
+    w ≈ minimum + q * scale, per group of `group_size` input columns."""
+    n, k = w.shape
+    groups = w.float().view(n, k // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.view(n, k), scales, low
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, dtype=dtype))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        w = linear.weight.detach()
+        module = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None)
+        q, scales = quantize_int8(w)
+        module.weight.copy_(q)
+        module.scales.copy_(scales)
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.detach())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = torch._weight_int8pack_mm(flat, self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """Weights packed for torch's CPU int4 kernel; `packed` holds them as the kernel wants them and
+    is rebuilt from the plain nibbles (`nibbles`, two per byte) whenever those are loaded."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool, group_size: int) -> None:
+        super().__init__()
+        if group_size not in GROUP_SIZES or in_features % group_size:
+            raise ValueError(f"int4 needs a group size in {GROUP_SIZES} dividing in_features ({in_features})")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups = in_features // group_size
+        self.register_buffer("nibbles", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype))
+        self.register_buffer("minimums", torch.empty(out_features, groups, dtype=dtype))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
+        self.packed: torch.Tensor | None = None  # the kernel's layout: derived, not saved
+        self.scales_and_zeros: torch.Tensor | None = None
+        self.register_load_state_dict_post_hook(lambda module, keys: module.pack())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        w = linear.weight.detach()
+        module = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, group_size)
+        q, scales, low = quantize_int4(w, group_size)
+        module.nibbles.copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+        module.scales.copy_(scales)
+        module.minimums.copy_(low)
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.detach())
+        module.pack()
+        return module
+
+    def values(self) -> torch.Tensor:
+        """The 4-bit values, uint8 [N, K]."""
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device=self.nibbles.device)
+        out[:, 0::2] = self.nibbles & 0xF
+        out[:, 1::2] = self.nibbles >> 4
+        return out
+
+    def pack(self) -> None:
+        # The kernel computes (q - 8) * scale + zero; with zero = minimum + 8 * scale that is minimum + q * scale.
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(self.values().to(torch.int32), 1)
+        zeros = self.minimums + 8 * self.scales
+        self.scales_and_zeros = torch.stack([self.scales.t(), zeros.t()], dim=-1).contiguous()  # [K / g, N, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _linears(model: nn.Module, lm_head: bool) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and (lm_head or f"{parent_name}.{name}".strip(".") != "lm_head"):
+                yield parent, name, child
+
+
+def quantize(model: nn.Module, weight_dtype: str, group_size: int = 128, lm_head: bool = True) -> nn.Module:
+    """Swaps `model`'s linear layers for int8 or int4 ones, in place ("auto" leaves it as it is).
+    A tied LM head gets its own quantised copy; the embedding table keeps the model's dtype."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
+    if weight_dtype == "auto":
+        return model
+    if model.embed_tokens.weight.device.type != "cpu":
+        raise ValueError("weight-only int8/int4 kernels are wired for the CPU here")
+    for parent, name, linear in _linears(model, lm_head):
+        module = (
+            Int8Linear.from_linear(linear) if weight_dtype == "int8" else Int4Linear.from_linear(linear, group_size)
+        )
+        setattr(parent, name, module)
+    model.quantization = {"weight_dtype": weight_dtype, "group_size": group_size, "lm_head": lm_head}
+    return model
+
+
+def quantized_skeleton(model: nn.Module, weight_dtype: str, group_size: int, lm_head: bool) -> nn.Module:
+    """`model` with empty quantised modules in place of its linear layers, ready for a saved state."""
+    dtype = model.embed_tokens.weight.dtype
+    for parent, name, linear in _linears(model, lm_head):
+        bias = linear.bias is not None
+        k, n = linear.in_features, linear.out_features
+        module = Int8Linear(k, n, dtype, bias) if weight_dtype == "int8" else Int4Linear(k, n, dtype, bias, group_size)
+        setattr(parent, name, module)
+    model.quantization = {"weight_dtype": weight_dtype, "group_size": group_size, "lm_head": lm_head}
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every parameter and saved buffer except the
+    embedding table (a step reads only its tokens' rows), counting a tied LM head once."""
+    seen, total = set(), 0
+    embedding = model.embed_tokens.weight
+    tied = model.lm_head.weight is embedding if isinstance(model.lm_head, nn.Linear) else False
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen or name == "inv_freq" or (t is embedding and not tied):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
