@@ -23,6 +23,12 @@ import torch.nn.functional as F
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) [blocks, block_size, kv_heads, head_dim]
 
+# An int8 KV cache stores each (token, head) row as head_dim int8 values followed by the row's
+# float32 scale (max-abs / 127), four bytes, in one uint8 tensor [blocks, block_size, kv_heads,
+# head_dim + 4]: the paged layout, the block copies and every KV transport move rows as they are.
+KV_DTYPES = ("auto", "int8")
+KV_SCALE_BYTES = 4
+
 
 @dataclass(frozen=True)
 class SeqChunk:
@@ -61,7 +67,13 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    kv_dtype: str = "auto",
 ) -> KVCache:
+    """Zeroed key and value tensors per layer, in `dtype`, or ("int8") quantised rows with their scales."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
+    if kv_dtype == "int8":
+        dtype, head_dim = torch.uint8, head_dim + KV_SCALE_BYTES
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -135,6 +147,37 @@ def _group(
     return AttentionGroup(token_index, tables.to(device), index, max_new, masks)
 
 
+def kv_row_bytes(head_dim: int, dtype_bytes: int, kv_dtype: str) -> int:
+    """Bytes of one (token, head) row of keys (or values) in the cache."""
+    return head_dim + KV_SCALE_BYTES if kv_dtype == "int8" else head_dim * dtype_bytes
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] floats -> [..., head_dim + 4] uint8 rows: int8 values, then the float32 scale."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-8)
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_rows`, in `dtype` (rows may be any gather of the cache)."""
+    head_dim = rows.shape[-1] - KV_SCALE_BYTES
+    values = rows[..., :head_dim].view(torch.int8)
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (values.float() * scale).to(dtype)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each sequence's blocks, [S, max_blocks * block_size, kv_heads, head_dim], in `dtype`: an int8
+    cache is dequantised as it is read (only the blocks the sequences use)."""
+    num_seqs, max_blocks = block_tables.shape
+    gathered = cache[block_tables]  # [S, max_blocks, block_size, kv_heads, row]
+    if cache.dtype == torch.uint8:
+        gathered = dequantize_rows(gathered, dtype)
+    return gathered.view(num_seqs, max_blocks * cache.shape[1], cache.shape[2], -1)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -148,6 +191,8 @@ def paged_attention(
     k_cache, v_cache = kv
     training = q.requires_grad  # the demo models' training: plain functions, differentiated by autograd
     write = _write_kv if training else torch.ops.tandem.write_kv
+    if k_cache.dtype == torch.uint8:  # an int8 cache: quantised rows with their scales
+        k, v = quantize_rows(k), quantize_rows(v)
     write(k, v, k_cache, v_cache, meta.slot_mapping)
     if len(meta.groups) == 1:
         return _attend(q, k_cache, v_cache, meta.groups[0], scale, window, training)
@@ -187,8 +232,9 @@ def _decode_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     groups = heads // kv_heads
     ctx = block_tables.shape[1] * block_size
-    keys = k_cache[block_tables].view(num_seqs, ctx, kv_heads, 1, head_dim)  # fused gather under compile
-    values = v_cache[block_tables].view(num_seqs, ctx, kv_heads, 1, head_dim)
+    # Fused gather (and dequantisation, for an int8 cache) under compile.
+    keys = _gather(k_cache, block_tables, q.dtype).view(num_seqs, ctx, kv_heads, 1, head_dim)
+    values = _gather(v_cache, block_tables, q.dtype).view(num_seqs, ctx, kv_heads, 1, head_dim)
     qg = q.view(num_seqs, 1, kv_heads, groups, head_dim).float()
     scores = (qg * keys.float()).sum(-1) * scale  # [S, ctx, kv, g]
     scores = scores.masked_fill(~mask.view(num_seqs, ctx, 1, 1), float("-inf"))
@@ -215,14 +261,13 @@ def _attend_padded(
     max_new: int,
     scale: float,
 ) -> torch.Tensor:  # [T, heads * hd]
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    num_seqs, max_blocks = block_tables.shape
-    ctx = max_blocks * block_size
+    num_seqs = block_tables.shape[0]
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
     # Gather each sequence's blocks: [S, max_blocks, block_size, kv_heads, hd] -> [S, kv_heads, ctx, hd]
-    keys = k_cache[block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[block_tables].view(num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
+    keys = _gather(k_cache, block_tables, q.dtype).transpose(1, 2)
+    values = _gather(v_cache, block_tables, q.dtype).transpose(1, 2)
 
-    heads = q.shape[1]
     groups = heads // kv_heads
     if max_new == 1:  # decode: one query per sequence, already in order
         padded = q.view(num_seqs, 1, heads, head_dim)

@@ -69,6 +69,12 @@ class CacheConfig(_Part):
     enable_prefix_caching: bool = Field(
         default=True, description="Share full KV blocks between requests with the same prompt prefix."
     )
+    kv_dtype: Literal["auto", "int8"] = Field(
+        default="auto",
+        description="KV cache element type: auto is the model's dtype; int8 stores each token's keys and values "
+        "per head as int8 with a float32 scale (about half the bytes of bfloat16). Prefill and decode workers "
+        "must agree.",
+    )
 
 
 class SchedulerConfig(_Part):

@@ -31,10 +31,13 @@ import torch
 from tandem.v1 import api_pb2
 from tandem.v1 import kv_transfer_pb2 as pb
 
+from cluster.attention import KV_SCALE_BYTES
 from cluster.request import SamplingParams, params_from_proto, params_to_proto
 
 FORMAT_VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "int8": a cache of quantised rows, each head_dim int8 values and a float32 scale (`cluster.attention`),
+# carried as uint8 rows of head_dim + 4 bytes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 assert sys.byteorder == "little", "the wire carries little-endian tensors"
 
@@ -72,7 +75,8 @@ class KVHeader:
         return len(self.token_ids)
 
     def chunk_shape(self, layer_count: int) -> tuple[int, int, int, int]:
-        return (layer_count, self.num_tokens, self.num_kv_heads, self.head_dim)
+        row = self.head_dim + (KV_SCALE_BYTES if self.dtype == "int8" else 0)
+        return (layer_count, self.num_tokens, self.num_kv_heads, row)
 
 
 @dataclass(frozen=True)

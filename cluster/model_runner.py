@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata, kv_row_bytes
 from cluster.block_manager import kv_block_bytes, num_blocks_for_budget
 from cluster.config import CacheConfig
 from cluster.model import CausalLM
@@ -30,7 +30,13 @@ class CompiledSteps(Protocol):
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler, compiled: CompiledSteps | None = None
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        sampler: Sampler,
+        compiled: CompiledSteps | None = None,
+        kv_dtype: str = "auto",
     ) -> None:
         arch = model.arch
         self.model = model
@@ -39,7 +45,7 @@ class ModelRunner:
         # One block past the block manager's range: the scratch block that compiled padding rows use.
         self.kv_cache = allocate_kv_cache(
             arch.num_layers, num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim,
-            model.embed_tokens.weight.dtype, self.device,
+            model.embed_tokens.weight.dtype, self.device, kv_dtype,
         )  # fmt: skip
         self.sampler = sampler
         self.compiled = compiled
@@ -97,6 +103,6 @@ def num_kv_blocks(model: CausalLM, cache: CacheConfig) -> int:
     if cache.num_blocks is not None:
         return cache.num_blocks
     arch = model.arch
-    dtype_bytes = model.embed_tokens.weight.element_size()
-    per_block = kv_block_bytes(cache.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype_bytes)
+    row = kv_row_bytes(arch.head_dim, model.embed_tokens.weight.element_size(), cache.kv_dtype)
+    per_block = kv_block_bytes(cache.block_size, arch.num_layers, arch.num_kv_heads, row, 1)
     return num_blocks_for_budget(int(cache.memory_gib * 2**30), per_block)

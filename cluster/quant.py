@@ -96,6 +96,7 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        group_size = fitting_group_size(linear.in_features, group_size)
         w = linear.weight.detach()
         module = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, group_size)
         q, scales, low = quantize_int4(w, group_size)
@@ -126,6 +127,15 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def fitting_group_size(in_features: int, group_size: int) -> int:
+    """`group_size`, or the largest smaller supported one that divides `in_features` (576 columns,
+    SmolLM's width, take groups of 64 when 128 is asked for)."""
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if g <= group_size and in_features % g == 0:
+            return g
+    raise ValueError(f"no int4 group size in {GROUP_SIZES} divides {in_features} input columns")
 
 
 def _linears(model: nn.Module, lm_head: bool) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
@@ -159,7 +169,10 @@ def quantized_skeleton(model: nn.Module, weight_dtype: str, group_size: int, lm_
     for parent, name, linear in _linears(model, lm_head):
         bias = linear.bias is not None
         k, n = linear.in_features, linear.out_features
-        module = Int8Linear(k, n, dtype, bias) if weight_dtype == "int8" else Int4Linear(k, n, dtype, bias, group_size)
+        if weight_dtype == "int8":
+            module: nn.Module = Int8Linear(k, n, dtype, bias)
+        else:
+            module = Int4Linear(k, n, dtype, bias, fitting_group_size(k, group_size))
         setattr(parent, name, module)
     model.quantization = {"weight_dtype": weight_dtype, "group_size": group_size, "lm_head": lm_head}
     return model

@@ -95,7 +95,7 @@ class Engine:
         compiled = (
             CompiledDecode(model, compile_buckets, cache.block_size, self.num_blocks) if compile_buckets else None
         )
-        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compiled)
+        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compiled, cache.kv_dtype)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs = scheduler.max_num_seqs

@@ -62,7 +62,7 @@ class KVIntake:
         model = engine.runner.model
         arch = model.arch
         self.layout = {
-            "dtype": DTYPE_NAMES[model.embed_tokens.weight.dtype],
+            "dtype": DTYPE_NAMES[engine.kv_cache[0][0].dtype],
             "num_layers": arch.num_layers,
             "num_kv_heads": arch.num_kv_heads,
             "head_dim": arch.head_dim,

@@ -87,7 +87,9 @@ class PrefillEngine:
         self.num_blocks = num_blocks
         blocks = BlockManager(num_blocks, cache.block_size, cache.watermark, prefix_caching=cache.enable_prefix_caching)
         self.scheduler = PrefillScheduler(scheduler, blocks)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed))
+        self.runner = ModelRunner(
+            model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed), kv_dtype=cache.kv_dtype
+        )
         self.fingerprint = model_fingerprint(model, model.arch)  # once, at load
         layerwise = transfer.layerwise
         self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
@@ -195,7 +197,7 @@ class PrefillEngine:
         header = KVHeader(
             request_id=request.request_id,
             fingerprint=self.fingerprint,
-            dtype=DTYPE_NAMES[self.model.embed_tokens.weight.dtype],
+            dtype=DTYPE_NAMES[self.runner.kv_cache[0][0].dtype],  # the cache's rows travel as they are
             num_layers=arch.num_layers,
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
