@@ -96,7 +96,6 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
-        group_size = fitting_group_size(linear.in_features, group_size)
         w = linear.weight.detach()
         module = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, group_size)
         q, scales, low = quantize_int4(w, group_size)
@@ -129,13 +128,23 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def fitting_group_size(in_features: int, group_size: int) -> int:
+def fitting_group_size(in_features: int, group_size: int) -> int | None:
     """`group_size`, or the largest smaller supported one that divides `in_features` (576 columns,
-    SmolLM's width, take groups of 64 when 128 is asked for)."""
+    SmolLM's width, take groups of 64 when 128 is asked for); None when none does."""
     for g in sorted(GROUP_SIZES, reverse=True):
         if g <= group_size and in_features % g == 0:
             return g
-    raise ValueError(f"no int4 group size in {GROUP_SIZES} divides {in_features} input columns")
+    return None
+
+
+def _module(linear: nn.Linear, weight_dtype: str, group_size: int, empty: bool) -> nn.Module:
+    """The quantised replacement of `linear`, filled or (`empty`) ready for a saved state; int4
+    falls back to int8 for a width no group divides."""
+    k, n, dtype, bias = linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None
+    group = fitting_group_size(k, group_size) if weight_dtype == "int4" else None
+    if group is None:
+        return Int8Linear(k, n, dtype, bias) if empty else Int8Linear.from_linear(linear)
+    return Int4Linear(k, n, dtype, bias, group) if empty else Int4Linear.from_linear(linear, group)
 
 
 def _linears(model: nn.Module, lm_head: bool) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
@@ -155,25 +164,15 @@ def quantize(model: nn.Module, weight_dtype: str, group_size: int = 128, lm_head
     if model.embed_tokens.weight.device.type != "cpu":
         raise ValueError("weight-only int8/int4 kernels are wired for the CPU here")
     for parent, name, linear in _linears(model, lm_head):
-        module = (
-            Int8Linear.from_linear(linear) if weight_dtype == "int8" else Int4Linear.from_linear(linear, group_size)
-        )
-        setattr(parent, name, module)
+        setattr(parent, name, _module(linear, weight_dtype, group_size, empty=False))
     model.quantization = {"weight_dtype": weight_dtype, "group_size": group_size, "lm_head": lm_head}
     return model
 
 
 def quantized_skeleton(model: nn.Module, weight_dtype: str, group_size: int, lm_head: bool) -> nn.Module:
     """`model` with empty quantised modules in place of its linear layers, ready for a saved state."""
-    dtype = model.embed_tokens.weight.dtype
     for parent, name, linear in _linears(model, lm_head):
-        bias = linear.bias is not None
-        k, n = linear.in_features, linear.out_features
-        if weight_dtype == "int8":
-            module: nn.Module = Int8Linear(k, n, dtype, bias)
-        else:
-            module = Int4Linear(k, n, dtype, bias, fitting_group_size(k, group_size))
-        setattr(parent, name, module)
+        setattr(parent, name, _module(linear, weight_dtype, group_size, empty=True))
     model.quantization = {"weight_dtype": weight_dtype, "group_size": group_size, "lm_head": lm_head}
     return model
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tandem.v1 import kv_transfer_pb2 as pb
 
+from cluster.attention import quantize_rows
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.kv_collective import CollectiveGroups
 from cluster.kv_grpc import CollectiveSender, GrpcSender, serve
@@ -78,22 +79,35 @@ def model(hf_models):
     return load_model(hf_models["llama"][0], "float32")
 
 
-@pytest.fixture(params=["fake", "local", "grpc", "collective"])
+TRANSPORTS = ["fake", "local", "grpc", "collective"]
+
+
+@pytest.fixture(params=TRANSPORTS)
 def link(request, model):
     """(sender, decode engine, intake) with the decode side served over the transport."""
-    engine = Engine(model, NoText(), CACHE, SchedulerConfig(max_num_seqs=8))
+    yield from serve_link(request.param, model, CACHE)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def int8_link(request, model):
+    """The same, for a decode worker whose KV cache is int8."""
+    yield from serve_link(request.param, model, dataclasses.replace(CACHE, kv_dtype="int8"))
+
+
+def serve_link(kind: str, model, cache: CacheConfig):  # type: ignore[no-untyped-def]
+    engine = Engine(model, NoText(), cache, SchedulerConfig(max_num_seqs=8))
     intake = KVIntake(engine, model_fingerprint(model, model.arch), timeout_s=TIMEOUT_S)
     intake.start(interval_s=0.05)
     closers = [intake.close]
-    if request.param == "fake":
+    if kind == "fake":
         sender = WireFake(intake)
-    elif request.param == "local":
+    elif kind == "local":
         sender = LocalSender(intake)
     else:
         groups = CollectiveGroups("cpu", timeout_s=5.0)
         server, port = serve(intake, groups=groups)
         closers += [lambda: server.stop(None), groups.close]
-        if request.param == "grpc":
+        if kind == "grpc":
             sender = GrpcSender(f"127.0.0.1:{port}", timeout_s=10.0)
         else:
             sender_groups = CollectiveGroups("cpu", timeout_s=5.0)
@@ -122,9 +136,12 @@ def header_for(model, request_id: str, num_tokens: int, **changes) -> KVHeader:
 
 
 def random_kv(header: KVHeader, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random keys and values per layer in the header's dtype (int8: quantised rows with their scales)."""
     g = torch.Generator().manual_seed(seed)
-    shape = header.chunk_shape(1)[1:]
-    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(header.num_layers)]
+    shape = (header.num_tokens, header.num_kv_heads, header.head_dim)
+    make = (lambda: quantize_rows(torch.randn(shape, generator=g))) if header.dtype == "int8" else None
+    make = make or (lambda: torch.randn(shape, generator=g))
+    return [(make(), make()) for _ in range(header.num_layers)]
 
 
 def chunks(kv) -> list[KVChunk]:
@@ -162,6 +179,39 @@ def test_round_trip_is_bit_identical(link, model):
     first, second = engine.step()  # the first token comes out with the next step, which decodes the second
     assert first.request_id == second.request_id == "r1" and first.token_ids == [11] and not first.finished
     assert engine.abort("r1")
+    assert_clean(engine, intake)
+
+
+def test_int8_kv_round_trips_bit_for_bit(int8_link, model):
+    sender, engine, intake = int8_link
+    header = header_for(model, "q1", 29, dtype="int8")
+    kv = random_kv(header)
+    assert kv[0][0].dtype == torch.uint8 and kv[0][0].shape[-1] == model.arch.head_dim + 4
+    stream = sender.open(header)
+    for chunk in chunks(kv):
+        stream.send(chunk)
+    stream.commit(first_token=7)
+    assert stream.wait(15) is TransferState.DONE, stream.error
+    table = engine.scheduler.blocks.block_table("q1")
+    for layer, (k, v) in enumerate(kv):
+        k_cache, v_cache = engine.kv_cache[layer]
+        assert torch.equal(k_cache[table].flatten(0, 1)[:29], k) and torch.equal(v_cache[table].flatten(0, 1)[:29], v)
+    assert engine.abort("q1")
+    assert_clean(engine, intake)
+    stream = sender.open(header_for(model, "q2", 9))  # float32 KV for an int8 cache: refused whole
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.FAILED_PRECONDITION)
+    assert_clean(engine, intake)
+
+
+def test_int8_kv_to_a_float_cache_is_refused(link, model):
+    sender, engine, intake = link
+    header = header_for(model, "q3", 9, dtype="int8")
+    stream = sender.open(header)
+    for chunk in chunks(random_kv(header)):
+        stream.send(chunk)
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.FAILED_PRECONDITION)
     assert_clean(engine, intake)
 
 
