@@ -10,8 +10,13 @@
    batch 1 and at static batch 16.
 3. A mixed workload of 64 requests (prompts 32-512 tokens, outputs 16-256): Tandem's engine
    (continuous batching) against transformers' static batches of 16, output tokens per second.
+4. Fewer bytes per token: the same preset in bfloat16 with int8 and int4 weights and an int8 KV
+   cache (compiled decode, batch 1 and 16): bytes each step reads, step time, fraction of the
+   roofline and speed-up over bfloat16, all in this run. `--quant-only` runs the floors and this
+   section alone.
 
-Prints a table and writes `benchmarks/results/decode_roofline.{json,png}`.
+Prints a table and writes `benchmarks/results/decode_roofline.{json,png}` (with `--quant-only`:
+`decode_roofline_quant.{json,png}`).
 """
 
 from __future__ import annotations
@@ -175,6 +180,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--quant-only", action="store_true", help="the floors and the quantised settings only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = args.device
@@ -191,7 +197,7 @@ def main() -> None:
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)")
     from transformers import AutoModelForCausalLM
 
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in [] if args.quant_only else args.dtypes.split(","):
         dtype = DTYPES[dtype_name]
         matmul = measure_matmul(dtype, device)
         model = load_model(folder, dtype_name, device)
@@ -235,12 +241,57 @@ def main() -> None:
         results[f"matmul_GFLOPs_{dtype_name}"] = matmul / 1e9
         del model, eager, compiled, hf
 
+    if device == "cpu":
+        results["quantised"] = quantised(folder, bandwidth, [1, 4] if args.quick else [1, 16], repeat)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
+    name += "_quant" if args.quant_only else ""
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     _plot(results, out / f"{name}.png")
     print(f"\nwrote {out / name}.json and .png")
+
+
+QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
+    ("bfloat16", "auto", "auto"),
+    ("int8 weights", "int8", "auto"),
+    ("int4 weights", "int4", "auto"),
+    ("int8 KV", "auto", "int8"),
+    ("int8 weights + KV", "int8", "int8"),
+)
+
+
+def quantised(folder: Path, bandwidth: float, batches: list[int], repeat: int) -> list[dict]:
+    """Section 4: each setting's compiled decode step against the bfloat16 one, same run."""
+    from cluster.attention import kv_row_bytes
+    from cluster.quant import weight_bytes
+
+    print(f"\nfewer bytes per token (bfloat16 activations, compiled decode, {CONTEXT}-token context)")
+    print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'roofline':>10}{'vs bf16':>9}")
+    rows: list[dict] = []
+    for label, weights, kv in QUANT_SETTINGS:
+        torch._dynamo.reset()  # each setting compiles its own graphs
+        model = load_model(folder, "bfloat16", "cpu", weight_dtype=weights, group_size=128)
+        arch = model.arch
+        cache = CacheConfig(block_size=16, num_blocks=max(batches) * (768 // 16 + 2), kv_dtype=kv)
+        engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=64), compile_buckets=batches)
+        start = time.perf_counter()
+        engine.runner.compiled.warm_up(engine.runner.kv_cache)
+        compile_s = time.perf_counter() - start
+        row_bytes = kv_row_bytes(arch.head_dim, 2, kv)
+        for batch in batches:
+            t = tandem_step_time(engine, batch, "cpu", repeat)
+            kv_bytes = batch * CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
+            nbytes = weight_bytes(model) + kv_bytes
+            base = next((r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16"), t)
+            rows.append({"setting": label, "weights": weights, "kv": kv, "batch": batch, "step_s": t,
+                         "bytes": nbytes, "weight_bytes": weight_bytes(model), "kv_bytes": kv_bytes,
+                         "GBps": nbytes / t / 1e9, "roofline_frac": nbytes / t / bandwidth,
+                         "speedup_vs_bf16": base / t, "compile_s": compile_s})  # fmt: skip
+            print(f"{label:<22}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
+                  f"{nbytes / t / bandwidth:>9.0%}{base / t:>8.2f}x")  # fmt: skip
+        del model, engine
+    return rows
 
 
 class _NoText:
@@ -268,13 +319,7 @@ def _row(what: str, batch: int, t: float, nbytes: int, flops: int, bandwidth: fl
           f"{nbytes / t / bandwidth:>9.0%}{flops / t / 1e9:>9.1f}{flops / t / matmul:>10.0%}")  # fmt: skip
 
 
-def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _plot_roofline(results: dict, ax) -> None:  # type: ignore[no-untyped-def]
     for engine, marker in (("tandem compiled", "o-"), ("tandem eager", "^:"), ("transformers", "s--")):
         for dtype in DTYPES:
             runs = [r for r in results["runs"] if r["engine"] == engine and r["dtype"] == dtype]
@@ -287,6 +332,32 @@ def _plot(results: dict, path: Path) -> None:
     ax.set_ylabel("% of memory-bandwidth roofline")
     ax.set_title(f"{results['preset']} decode, {results['context']}-token context, {results['device']}")
     ax.legend()
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    quant = results.get("quantised", [])
+    panels = int(bool(results["runs"])) + int(bool(quant))
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
+    if results["runs"]:
+        _plot_roofline(results, axes[0][0])
+    if quant:
+        qa = axes[0][-1]
+        settings = list(dict.fromkeys(r["setting"] for r in quant))
+        batches = sorted({r["batch"] for r in quant})
+        for j, batch in enumerate(batches):
+            runs = {r["setting"]: r for r in quant if r["batch"] == batch}
+            xs = [i + (j - (len(batches) - 1) / 2) * 0.35 for i in range(len(settings))]
+            qa.bar(xs, [runs[s]["speedup_vs_bf16"] for s in settings], 0.35, label=f"batch {batch}")
+        qa.axhline(1.0, color="grey", lw=0.8)
+        qa.set_xticks(range(len(settings)), settings, rotation=20, ha="right")
+        qa.set_ylabel("decode step speed-up over bfloat16")
+        qa.set_title("fewer bytes per token (compiled decode)")
+        qa.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
