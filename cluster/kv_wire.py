@@ -5,8 +5,9 @@ One transfer is a header, then one chunk per group of layers, then a commit:
     header  request id, model fingerprint, dtype, layer count, KV heads, head dim, block size,
             the token ids [0, num_tokens), the sampling parameters, format version
     chunk   layers [layer_start, layer_start + layer_count): key and value tensors shaped
-            [layer_count, num_tokens, num_kv_heads, head_dim] as raw little-endian bytes, and
-            the CRC32 of key followed by value
+            [layer_count, num_tokens, num_kv_heads, head_dim] as raw little-endian bytes (an int8
+            cache's rows, values and scale, as they are: head_dim + 4 bytes), and the CRC32 of key
+            followed by value
     commit  the first token, sampled by the prefill worker after the last layer
 
 The tensors are the positions [0, num_tokens) gathered out of the paged cache's
