@@ -60,3 +60,23 @@ def write_hf_model(name: str, out: Path, seed: int = 0):
 def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     root = tmp_path_factory.mktemp("hf_models")
     return {name: (root / name, write_hf_model(name, root / name)) for name in HF_MODELS}
+
+
+def drive(engine, requests, after_step=None):  # type: ignore[no-untyped-def]
+    """Runs `requests` ({id: (prompt ids, SamplingParams)}) through a decode `Engine` together:
+    returns every token streamed and the final output, by id. Checks the block manager after every
+    step (and calls `after_step`), and that no block is left in use at the end."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    streamed: dict[str, list[int]] = {rid: [] for rid in requests}
+    finals = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            streamed[out.request_id] += out.token_ids
+            if out.finished:
+                finals[out.request_id] = out
+        engine.scheduler.blocks.check_integrity()
+        if after_step is not None:
+            after_step()
+    assert engine.scheduler.blocks.num_free_blocks == engine.num_blocks, "a KV block leaked"
+    return streamed, finals

@@ -13,7 +13,8 @@ from cluster.config import CacheConfig, SchedulerConfig
 from cluster.loader import load_model
 from cluster.request import SamplingParams
 from decode_worker.beam import BeamSearch
-from decode_worker.engine import Engine, RequestOutput
+from decode_worker.engine import Engine
+from tests.conftest import drive, write_hf_model
 
 BATCHING = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, long_prefill_chunk=64)
 PROMPTS = [[5, 17, 42, 8, 99, 3], [250, 11], [7] * 9 + [123, 45, 67], list(range(30, 51))]
@@ -28,8 +29,6 @@ class NoText:
 def model_with_eos(tmp_path_factory):
     """The tiny test Llama with two frequent next tokens made its end-of-sequence ids, so beams
     finish at different lengths and the length penalty matters."""
-    from tests.conftest import write_hf_model
-
     folder = tmp_path_factory.mktemp("beam-llama")
     hf = write_hf_model("llama", folder, seed=3)
     with torch.inference_mode():
@@ -69,24 +68,6 @@ def as_tandem(early_stopping) -> str:
     return {False: "false", True: "true", "never": "never"}[early_stopping]
 
 
-def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]):
-    """Runs `requests` together: (final output, all tokens streamed) per request."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    finals: dict[str, RequestOutput] = {}
-    streamed: dict[str, list[int]] = {rid: [] for rid in requests}
-    while engine.has_unfinished:
-        for out in engine.step():
-            streamed[out.request_id] += out.token_ids
-            if out.finished:
-                finals[out.request_id] = out
-            else:
-                assert not out.beams
-        engine.scheduler.blocks.check_integrity()
-    assert engine.scheduler.blocks.num_free_blocks == engine.num_blocks, "a beam leaked blocks"
-    return finals, streamed
-
-
 @pytest.mark.parametrize("num_blocks", [3000, 40], ids=["roomy", "preempting"])
 def test_beam_search_equals_transformers_in_a_mixed_batch(model_with_eos, num_blocks):
     model, hf, eos = model_with_eos
@@ -97,7 +78,7 @@ def test_beam_search_equals_transformers_in_a_mixed_batch(model_with_eos, num_bl
     for i in range(6):  # ordinary requests in the same batch
         requests[f"plain{i}"] = ([20 + i] * (3 + i), SamplingParams(max_tokens=10 + i, temperature=0.0))
     engine = Engine(model, NoText(), CacheConfig(block_size=4, num_blocks=num_blocks, watermark=0.0), BATCHING, eos)
-    finals, streamed = run(engine, requests)
+    streamed, finals = drive(engine, requests)
     if num_blocks < 100:
         assert engine.scheduler.stats.num_preemptions > 0, "the small cache should force preemptions"
         assert engine.beams.num_restarts > 0, "and a beam search should lose a beam to one"

@@ -16,6 +16,7 @@ from cluster.model_builder import init_model_folder, train_tokenizer
 from cluster.request import SamplingParams
 from cluster.tokenizer import Tokenizer
 from decode_worker.engine import AsyncEngine, Engine
+from tests.conftest import drive
 
 SMALL_CACHE = CacheConfig(block_size=4, num_blocks=60, watermark=0.0)
 BIG_CACHE = CacheConfig(block_size=4, num_blocks=400, watermark=0.0)
@@ -28,15 +29,7 @@ class NoText:
 
 
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
-    while engine.has_unfinished:
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        engine.scheduler.blocks.check_integrity()
-    assert engine.scheduler.blocks.num_free_blocks == engine.num_blocks
-    return tokens
+    return drive(engine, requests)[0]
 
 
 @pytest.fixture(scope="module")

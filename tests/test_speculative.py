@@ -18,6 +18,7 @@ from cluster.sampler import Draft, Sampler, SampleRow
 from cluster.speculative import DraftProposer, NgramProposer, build_proposer, lookup
 from cluster.tokenizer import Tokenizer
 from decode_worker.engine import Engine
+from tests.conftest import drive
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
@@ -27,20 +28,13 @@ ROOMY = CacheConfig(block_size=4, num_blocks=2000, watermark=0.0)
 BATCHING = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, long_prefill_chunk=64)
 
 
-def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
-    while engine.has_unfinished:
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-        engine.scheduler.blocks.check_integrity()
-        if isinstance(engine.proposer, DraftProposer):
-            engine.proposer.blocks.check_integrity()
-    assert engine.scheduler.blocks.num_free_blocks == engine.num_blocks, "target KV blocks leaked"
-    if isinstance(engine.proposer, DraftProposer):
-        assert engine.proposer.blocks.num_free_blocks == engine.proposer.blocks.num_blocks, "draft KV blocks leaked"
-    return tokens
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]):  # type: ignore[no-untyped-def]
+    """`drive`, also checking the draft model's blocks when there is one: (tokens, final outputs)."""
+    draft = engine.proposer.blocks if isinstance(engine.proposer, DraftProposer) else None
+    streamed, finals = drive(engine, requests, draft.check_integrity if draft else None)
+    if draft is not None:
+        assert draft.num_free_blocks == draft.num_blocks, "draft KV blocks leaked"
+    return streamed, finals
 
 
 def test_lookup_proposes_what_followed_the_latest_match():
@@ -78,21 +72,11 @@ def demo_requests(tok: Tokenizer, n: int, seed: int = 0) -> dict[str, tuple[list
 def test_greedy_speculation_equals_plain_decoding_in_a_mixed_batch_under_preemption(demo, method):
     model, tok = demo
     requests = demo_requests(tok, 24)
-    plain = run(Engine(model, tok, ROOMY, BATCHING), requests)
+    plain, _ = run(Engine(model, tok, ROOMY, BATCHING), requests)
     config = SpeculativeConfig(method=method, num_tokens=4, draft_model=DRAFT, draft_memory_gib=0.01)
     proposer = build_proposer(config, model, TIGHT.block_size)
     engine = Engine(model, tok, TIGHT, BATCHING, proposer=proposer, num_speculative_tokens=config.num_tokens)
-    finals = {}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
-    while engine.has_unfinished:
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-            if out.finished:
-                finals[out.request_id] = out
-        engine.scheduler.blocks.check_integrity()
-    assert engine.scheduler.blocks.num_free_blocks == engine.num_blocks
+    tokens, finals = run(engine, requests)
     assert tokens == plain
     assert engine.scheduler.stats.num_preemptions > 0, "the KV budget should force preemptions while speculating"
     accepted = sum(f.num_accepted_tokens for f in finals.values())
@@ -109,9 +93,9 @@ def test_greedy_speculation_equals_plain_decoding_in_a_mixed_batch_under_preempt
 def test_draft_proposer_frees_its_blocks_and_the_engine_trims_rejected_ones(demo):
     model, tok = demo
     requests = demo_requests(tok, 8, seed=3)
-    plain = run(Engine(model, tok, ROOMY, BATCHING), requests)
+    plain, _ = run(Engine(model, tok, ROOMY, BATCHING), requests)
     proposer = build_proposer(SpeculativeConfig(method="draft", draft_model=DRAFT, draft_memory_gib=0.01), model, 4)
-    assert run(Engine(model, tok, ROOMY, BATCHING, proposer=proposer, num_speculative_tokens=3), requests) == plain
+    assert run(Engine(model, tok, ROOMY, BATCHING, proposer=proposer, num_speculative_tokens=3), requests)[0] == plain
 
 
 def test_speculation_stops_at_stop_strings_and_max_tokens_like_plain_decoding(demo):
