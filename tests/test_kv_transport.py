@@ -91,7 +91,7 @@ def link(request, model):
 @pytest.fixture(params=TRANSPORTS)
 def int8_link(request, model):
     """The same, for a decode worker whose KV cache is int8."""
-    yield from serve_link(request.param, model, dataclasses.replace(CACHE, kv_dtype="int8"))
+    yield from serve_link(request.param, model, CACHE.model_copy(update={"kv_dtype": "int8"}))
 
 
 def serve_link(kind: str, model, cache: CacheConfig):  # type: ignore[no-untyped-def]
