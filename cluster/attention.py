@@ -190,7 +190,8 @@ def paged_attention(
     """Writes k, v into their cache slots, then attends each query to its sequence's cached keys."""
     k_cache, v_cache = kv
     training = q.requires_grad  # the demo models' training: plain functions, differentiated by autograd
-    write = _write_kv if training else torch.ops.tandem.write_kv
+    # Eager: one opaque op. Compiled decode: the in-place write inlined into the graph. Training: autograd.
+    write = _write_kv if training or torch.compiler.is_compiling() else torch.ops.tandem.write_kv
     if k_cache.dtype == torch.uint8:  # an int8 cache: quantised rows with their scales
         k, v = quantize_rows(k), quantize_rows(v)
     write(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -185,9 +185,12 @@ def test_bad_requests_are_refused_without_side_effects(llama):
 
 
 @pytest.mark.slow
-def test_compiled_decode_matches_eager(llama):
-    """torch.compile'd decode steps (padded to batch buckets) give the eager path's tokens and logprobs."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_compiled_decode_matches_eager(llama, kv_dtype):
+    """torch.compile'd decode steps (padded to batch buckets, warmed up so that only the guards
+    telling buckets apart run) give the eager path's tokens and logprobs, with either KV cache."""
     model, _ = llama
+    cache = BIG_CACHE.model_copy(update={"kv_dtype": kv_dtype})
     requests = {
         f"r{i}": (list(range(3, 3 + 5 * (i + 1))), SamplingParams(max_tokens=12, temperature=0, logprobs=0))
         for i in range(5)
@@ -202,8 +205,9 @@ def test_compiled_decode_matches_eager(llama):
                 out.setdefault(o.request_id, []).append((o.token_ids[0], o.logprobs[0][0]))
         return out
 
-    eager = collect(Engine(model, NoText(), BIG_CACHE, BATCHING))
-    compiled_engine = Engine(model, NoText(), BIG_CACHE, BATCHING, compile_buckets=(2, 8))
+    eager = collect(Engine(model, NoText(), cache, BATCHING))
+    compiled_engine = Engine(model, NoText(), cache, BATCHING, compile_buckets=(2, 8))
+    compiled_engine.runner.compiled.warm_up(compiled_engine.kv_cache)
     compiled = collect(compiled_engine)
     assert compiled_engine.runner.compiled.steps > 0
     for rid in requests:
