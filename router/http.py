@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import api_pb2, api_pb2_grpc
 
+from cluster.request import EARLY_STOPPING
+
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -43,7 +45,8 @@ SAMPLING = {  # OpenAI (or Tandem extra) body field -> tandem.v1.SamplingParams 
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens",
-    "stop_token_ids": "stop_token_ids",
+    "stop_token_ids": "stop_token_ids", "speculative_tokens": "speculative_tokens", "num_beams": "num_beams",
+    "length_penalty": "length_penalty",
 }  # fmt: skip
 
 
@@ -174,6 +177,14 @@ def _generate_request(body: dict[str, Any], base: dict[str, Any], chat: bool) ->
                 setattr(sampling, field, body[key]) if field != "stop_token_ids" else sampling.stop_token_ids.extend(
                     body[key]
                 )
+        early = body.get("early_stopping")
+        if early is not None:
+            early = {True: "true", False: "false"}.get(early, early)
+            if early not in EARLY_STOPPING:
+                raise HTTPError(
+                    400, "invalid_request_error", 'early_stopping must be true, false or "never"', "early_stopping"
+                )
+            sampling.early_stopping = EARLY_STOPPING[early]
         stop = body.get("stop")
         if stop is not None:
             sampling.stop.extend([stop] if isinstance(stop, str) else stop)

@@ -77,6 +77,27 @@ def test_completions_match_the_grpc_api(served):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
+def test_beam_search_and_speculation_fields_as_extra_body(served):
+    base, grpc_address, _, _ = served
+    beam = {"num_beams": 3, "length_penalty": 0.5, "early_stopping": "never"}
+    done = client(base).completions.create(
+        model="tandem-demo-code", prompt="import os\n", max_tokens=10, extra_body=beam
+    )
+    with Client(grpc_address, api_key=KEY) as native:
+        expected = native.generate("import os\n", max_tokens=10, num_beams=3, length_penalty=0.5,
+                                   early_stopping="EARLY_STOPPING_NEVER")  # fmt: skip
+    assert len(expected.beams) == 3 and done.choices[0].text == expected.beams[0].text
+    plain = client(base).completions.create(
+        model="tandem-demo-code", prompt="import os\n", max_tokens=10, temperature=0,
+        extra_body={"speculative_tokens": 0},
+    )  # fmt: skip
+    assert plain.usage.completion_tokens == 10
+    with pytest.raises(openai.BadRequestError, match="early_stopping"):
+        client(base).completions.create(
+            model="tandem-demo-code", prompt="x", max_tokens=4, extra_body={"num_beams": 2, "early_stopping": "soon"}
+        )
+
+
 def test_chat_streamed_equals_whole_with_usage_n_and_logprobs(served):
     base, _, _, _ = served
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
