@@ -32,7 +32,7 @@ from cluster.block_manager import BlockManager
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.model import CausalLM
 from cluster.model_runner import ModelRunner, num_kv_blocks
-from cluster.request import Request, SamplingParams, StepPlan
+from cluster.request import Request, SamplingParams, ScheduledChunk, StepPlan
 from cluster.sampler import Draft, Sampler, SampleRow, TokenLogprob
 from cluster.speculative import Proposer
 from decode_worker.beam import BeamGroups, BeamResult
@@ -213,32 +213,8 @@ class Engine:
         if self.num_speculative_tokens:
             plan, drafts = self._speculate(plan)
         sampling = [c for c in plan.chunks if c.samples and c.request.group is None]
-        beaming = [c for c in plan.chunks if c.samples and c.request.group is not None]
         before = {c.request.request_id: len(c.request.output_token_ids) for c in sampling}
-        logprobs: list[list[TokenLogprob]] | None
-        beam_logits: dict[str, torch.Tensor] = {}
-        if drafts or beaming:
-            logits = self.runner.logits(plan)
-            assert logits is not None
-            rows, verifying, plain_rows, at = [], [], [], 0
-            for c in plan.chunks:
-                if not c.samples:
-                    continue
-                if c.request.group is not None:
-                    beam_logits[c.request.request_id] = logits[at]
-                else:
-                    rows += [self._row(c.request, c.draft[:j]) for j in range(len(c.draft) + 1)]
-                    verifying.append(self._draft(c.draft, drafts.get(c.request.request_id)))
-                    plain_rows += range(at, at + len(c.draft) + 1)
-                at += 1 + len(c.draft)
-            verified = self.runner.sampler.verify(logits[plain_rows], rows, verifying)
-            tokens, logprobs = verified.token_ids, verified.logprobs
-        else:
-            result = self.runner.execute(plan, [self._row(c.request) for c in sampling])
-            tokens = [[t] for t in result.token_ids]
-            logprobs = None
-            if result.logprobs is not None:
-                logprobs = [[pair] for pair in zip(result.logprobs, result.top_logprobs, strict=True)]  # type: ignore[arg-type]
+        tokens, logprobs, beam_logits = self._execute(plan, sampling, drafts)
         ids = [c.request.request_id for c in sampling]
         sampled = dict(zip(ids, tokens, strict=True))
         lps = dict(zip(ids, logprobs, strict=True)) if logprobs is not None else {}
@@ -251,6 +227,34 @@ class Engine:
         if self.proposer is not None:
             self.proposer.retain(self.scheduler.requests)  # finished requests' draft state goes now
         return outputs
+
+    def _execute(
+        self, plan: StepPlan, sampling: list[ScheduledChunk], drafts: dict[str, Draft]
+    ) -> tuple[list[list[int]], list[list[TokenLogprob]] | None, dict[str, torch.Tensor]]:
+        """Runs the pass: each sampling request's new tokens (and logprobs), and each beam's logits.
+        A plain step samples one token per request (through a compiled graph when it can); a step
+        with drafts or beams takes the logits of every row and verifies or hands them on."""
+        if not drafts and len(sampling) == sum(c.samples for c in plan.chunks):
+            result = self.runner.execute(plan, [self._row(c.request) for c in sampling])
+            if result.logprobs is None:
+                return [[t] for t in result.token_ids], None, {}
+            pairs = zip(result.logprobs, result.top_logprobs, strict=True)  # type: ignore[arg-type]
+            return [[t] for t in result.token_ids], [[pair] for pair in pairs], {}
+        logits = self.runner.logits(plan)
+        assert logits is not None
+        rows, verifying, plain_rows, beam_logits, at = [], [], [], {}, 0
+        for c in plan.chunks:
+            if not c.samples:
+                continue
+            if c.request.group is not None:
+                beam_logits[c.request.request_id] = logits[at]
+            else:
+                rows += [self._row(c.request, c.draft[:j]) for j in range(len(c.draft) + 1)]
+                verifying.append(self._draft(c.draft, drafts.get(c.request.request_id)))
+                plain_rows += range(at, at + len(c.draft) + 1)
+            at += 1 + len(c.draft)
+        verified = self.runner.sampler.verify(logits[plain_rows], rows, verifying)
+        return verified.token_ids, verified.logprobs, beam_logits
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         request = result.request
