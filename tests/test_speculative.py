@@ -248,3 +248,26 @@ def _next_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     engine.scheduler.abort("probe")
     assert logits is not None
     return logits[0]
+
+
+def test_speculative_logprobs_equal_plain_logprobs(demo):
+    model, tok = demo
+    prompt = tok.encode("    def __init__(self, x):\n        self.x = x\n\n    def __init__(self, ")
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    def logprobs(engine: Engine) -> tuple[list[tuple[int, float, list[int]]], int]:
+        engine.add_request("lp", prompt, params)
+        got, accepted = [], 0
+        while engine.has_unfinished:
+            for out in engine.step():
+                assert len(out.logprobs) == len(out.token_ids)
+                got += [(t, lp, [i for i, _ in top]) for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
+                accepted = out.num_accepted_tokens
+        return got, accepted
+
+    plain, _ = logprobs(Engine(model, tok, ROOMY, BATCHING))
+    spec, accepted = logprobs(Engine(model, tok, ROOMY, BATCHING, proposer=NgramProposer(), num_speculative_tokens=4))
+    assert accepted > 0, "some steps should have kept draft tokens"
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain] and len(plain) == 20
+    assert [top for _, _, top in spec] == [top for _, _, top in plain]
+    assert [lp for _, lp, _ in spec] == pytest.approx([lp for _, lp, _ in plain], abs=1e-4)
