@@ -1,4 +1,5 @@
-"""The decode engine in one process: `add_request`, `abort`, `step()`, and an asyncio front.
+"""The decode engine in one process: `add_request`, `abort`, `step()` (its asyncio front is
+`decode_worker.async_engine`).
 
     engine.add_request(id, prompt_token_ids, params)
     while engine.has_unfinished:
@@ -20,10 +21,8 @@ the same batch that share KV blocks, and its one output, at the end, carries eve
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -344,70 +343,3 @@ class Engine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )
-
-
-class AsyncEngine:
-    """One async iterator per request over an `Engine` stepped in a worker thread.
-
-    A lock keeps the engine to one thread at a time: adds happen between steps, and aborts are
-    applied before the next step. Leaving the iterator early (a cancelled client) aborts the
-    request and frees its blocks. If a step fails, every open iterator raises the error.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._pending_aborts: list[str] = []
-        self._loop_task: asyncio.Task[None] | None = None
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        async with self._lock:
-            self.engine.add_request(request_id, prompt_token_ids, params)
-            self._queues[request_id] = queue
-        self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._pending_aborts.append(request_id)
-                self._wake.set()
-
-    async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending_aborts or self.engine.has_unfinished:
-                async with self._lock:
-                    for rid in self._pending_aborts:
-                        self.engine.abort(rid)
-                    self._pending_aborts.clear()
-                    try:
-                        outputs = await asyncio.to_thread(self.engine.step)
-                    except Exception as e:  # a failed step fails every open request, loudly
-                        for rid, queue in list(self._queues.items()):
-                            self.engine.abort(rid)
-                            queue.put_nowait(e)
-                        continue
-                for out in outputs:
-                    if (queue := self._queues.get(out.request_id)) is not None:
-                        queue.put_nowait(out)

@@ -15,7 +15,8 @@ from cluster.loader import load_model
 from cluster.model_builder import init_model_folder, train_tokenizer
 from cluster.request import SamplingParams
 from cluster.tokenizer import Tokenizer
-from decode_worker.engine import AsyncEngine, Engine
+from decode_worker.async_engine import AsyncEngine
+from decode_worker.engine import Engine
 from tests.conftest import drive
 
 SMALL_CACHE = CacheConfig(block_size=4, num_blocks=60, watermark=0.0)
