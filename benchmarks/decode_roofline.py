@@ -173,6 +173,65 @@ def hf_static_throughput(hf, requests: list[tuple[list[int], int]], device: str,
     return produced / (time.perf_counter() - start)
 
 
+def dtype_section(
+    folder: Path,
+    dtype_name: str,
+    device: str,
+    bandwidth: float,
+    batches: list[int],
+    repeat: int,
+    quick: bool,
+    results: dict,
+) -> list[dict]:
+    """Sections 2 and 3 for one dtype: Tandem's steps (eager, compiled) and transformers' beside
+    them, then the mixed workload; records the dtype's matmul rate and compile time in `results`."""
+    from transformers import AutoModelForCausalLM
+
+    runs: list[dict] = []
+    dtype = DTYPES[dtype_name]
+    matmul = measure_matmul(dtype, device)
+    model = load_model(folder, dtype_name, device)
+    cache = CacheConfig(block_size=16, num_blocks=64 * (768 // 16 + 2))
+    sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
+    eager = Engine(model, _NoText(), cache, sched)
+    compiled = Engine(model, _NoText(), cache, sched, compile_buckets=BUCKETS)
+    start = time.perf_counter()
+    compiled.runner.compiled.warm_up(compiled.runner.kv_cache)
+    compile_s = time.perf_counter() - start
+    results[f"compile_s_{dtype_name}"] = compile_s
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    print(
+        f"\n{dtype_name}: matmul {matmul / 1e9:.0f} GFLOP/s; compiling {len(BUCKETS)} decode buckets took "
+        f"{compile_s:.0f} s"
+    )
+    print(
+        f"{'what':<28}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'roofline':>10}{'GFLOP/s':>9}"
+        f"{'of matmul':>10}"
+    )
+    for batch in batches:
+        nbytes, flops = step_bytes(model, batch, CONTEXT)
+        for name, engine in (("tandem eager", eager), ("tandem compiled", compiled)):
+            t = tandem_step_time(engine, batch, device, repeat)
+            runs.append(_record(name, dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
+            _row(f"{name} decode step", batch, t, nbytes, flops, bandwidth, matmul)
+    for batch in [1, 16] if not quick else [1]:
+        t = hf_token_time(hf, batch, device, new_tokens=8 if quick else 16)
+        nbytes, flops = step_bytes(model, batch, CONTEXT)
+        runs.append(_record("transformers", dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
+        _row("transformers generate", batch, t, nbytes, flops, bandwidth, matmul)
+    requests = mixed_requests(16 if quick else 64, model.arch.vocab_size, scale=0.25 if quick else 1.0)
+    ours = engine_throughput(compiled, requests)
+    theirs = hf_static_throughput(hf, requests, device)
+    runs.append({"engine": "mixed", "dtype": dtype_name, "tandem_tok_s": ours,
+                 "transformers_tok_s": theirs, "ratio": ours / theirs})  # fmt: skip
+    print(
+        f"mixed workload ({len(requests)} requests): tandem {ours:.1f} tok/s, transformers static batch "
+        f"{theirs:.1f} tok/s, ratio {ours / theirs:.2f}x"
+    )
+    results[f"matmul_GFLOPs_{dtype_name}"] = matmul / 1e9
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset and short runs (a smoke test)")
@@ -195,51 +254,8 @@ def main() -> None:
     results: dict = {"device": device, "threads": args.threads, "preset": preset, "context": CONTEXT,
                      "bandwidth_GBps": bandwidth / 1e9, "runs": []}  # fmt: skip
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)")
-    from transformers import AutoModelForCausalLM
-
     for dtype_name in [] if args.quant_only else args.dtypes.split(","):
-        dtype = DTYPES[dtype_name]
-        matmul = measure_matmul(dtype, device)
-        model = load_model(folder, dtype_name, device)
-        cache = CacheConfig(block_size=16, num_blocks=64 * (768 // 16 + 2))
-        sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
-        eager = Engine(model, _NoText(), cache, sched)
-        compiled = Engine(model, _NoText(), cache, sched, compile_buckets=BUCKETS)
-        start = time.perf_counter()
-        compiled.runner.compiled.warm_up(compiled.runner.kv_cache)
-        compile_s = time.perf_counter() - start
-        results[f"compile_s_{dtype_name}"] = compile_s
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-        print(
-            f"\n{dtype_name}: matmul {matmul / 1e9:.0f} GFLOP/s; compiling {len(BUCKETS)} decode buckets took "
-            f"{compile_s:.0f} s"
-        )
-        print(
-            f"{'what':<28}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'roofline':>10}{'GFLOP/s':>9}"
-            f"{'of matmul':>10}"
-        )
-        for batch in batches:
-            nbytes, flops = step_bytes(model, batch, CONTEXT)
-            for name, engine in (("tandem eager", eager), ("tandem compiled", compiled)):
-                t = tandem_step_time(engine, batch, device, repeat)
-                results["runs"].append(_record(name, dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
-                _row(f"{name} decode step", batch, t, nbytes, flops, bandwidth, matmul)
-        for batch in [1, 16] if not args.quick else [1]:
-            t = hf_token_time(hf, batch, device, new_tokens=8 if args.quick else 16)
-            nbytes, flops = step_bytes(model, batch, CONTEXT)
-            results["runs"].append(_record("transformers", dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
-            _row("transformers generate", batch, t, nbytes, flops, bandwidth, matmul)
-        requests = mixed_requests(16 if args.quick else 64, model.arch.vocab_size, scale=0.25 if args.quick else 1.0)
-        ours = engine_throughput(compiled, requests)
-        theirs = hf_static_throughput(hf, requests, device)
-        results["runs"].append({"engine": "mixed", "dtype": dtype_name, "tandem_tok_s": ours,
-                                "transformers_tok_s": theirs, "ratio": ours / theirs})  # fmt: skip
-        print(
-            f"mixed workload ({len(requests)} requests): tandem {ours:.1f} tok/s, transformers static batch "
-            f"{theirs:.1f} tok/s, ratio {ours / theirs:.2f}x"
-        )
-        results[f"matmul_GFLOPs_{dtype_name}"] = matmul / 1e9
-        del model, eager, compiled, hf
+        results["runs"] += dtype_section(folder, dtype_name, device, bandwidth, batches, repeat, args.quick, results)
 
     if device == "cpu":
         results["quantised"] = quantised(folder, bandwidth, [1, 4] if args.quick else [1, 16], repeat)

@@ -173,6 +173,16 @@ def main() -> None:
                         "proposer_ms_per_step": 1e3 * last["proposer_s"] / last["steps"],
                     }
                 )  # fmt: skip
+    print_table(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": DEMO.name, "draft": DRAFT.name, "k": args.k, "max_tokens": args.max_tokens,
+            "requests": args.requests, "repeats": args.repeats, "threads": args.threads}  # fmt: skip
+    suffix = "_quick" if args.quick else ""
+    (args.out / f"speculative{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, args.out / f"speculative{suffix}.png")
+
+
+def print_table(rows: list[dict]) -> None:
     print(
         f"{'workload':9} {'batch':>5} {'method':6} {'tok/s':>8} {'accept':>7} {'tok/pass':>8} {'speed-up':>8} "
         f"{'target ms/step':>14} {'proposer ms/step':>16}"
@@ -184,12 +194,6 @@ def main() -> None:
             f"{r['tokens_per_pass']:>8.2f} {r['speedup']:>7.2f}x {r['target_ms_per_step']:>14.2f} "
             f"{r['proposer_ms_per_step']:>16.2f}"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": DEMO.name, "draft": DRAFT.name, "k": args.k, "max_tokens": args.max_tokens,
-            "requests": args.requests, "repeats": args.repeats, "threads": args.threads}  # fmt: skip
-    suffix = "_quick" if args.quick else ""
-    (args.out / f"speculative{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    plot(rows, args.out / f"speculative{suffix}.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
