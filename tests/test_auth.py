@@ -87,7 +87,7 @@ def push(address: str, decode, capability: bytes, request_id: str = "r", secret:
     arch = model.arch
     header = KVHeader(
         request_id, decode.intake.fingerprint, "float32", arch.num_layers, arch.num_kv_heads, arch.head_dim,
-        16, tuple(range(5, 45)), SamplingParams(max_tokens=4), capability=capability,
+        16, tuple(range(5, 45)), SamplingParams(max_tokens=512), capability=capability,  # still running when cancelled
     )  # fmt: skip
     metadata = ((SECRET_HEADER, secret),) if secret else ()
     sender = GrpcSender(address, timeout_s=10, metadata=metadata)
