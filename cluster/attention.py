@@ -7,8 +7,10 @@ tensors shaped `[num_blocks, block_size, num_kv_heads, head_dim]` (the one layou
 the block manager and the wire).
 
 Each layer writes its new keys and values into their slots, then, per attention group (decode rows
-apart from prompt chunks), gathers each sequence's blocks and runs one masked
-`scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem. The metadata
+apart from prompt chunks), attends. On CPU, decode rows go through `tandem_cpu::decode_attention`
+(`cluster/cpu_kernels.py`), which reads each cached row in place through the block table; prompt
+chunks (and decode rows where that kernel is missing) gather each sequence's blocks and run one
+masked `scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem. The metadata
 (slots, gather indices, masks) is built once per forward pass, not per layer, and no Python loop
 runs over sequences inside a layer.
 """
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cluster import cpu_kernels
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) [blocks, block_size, kv_heads, head_dim]
 
@@ -213,6 +217,8 @@ def _attend(
     window: int | None,
     training: bool,
 ) -> torch.Tensor:
+    if g.max_new == 1 and not training and q.device.type == "cpu" and cpu_kernels.available():
+        return torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
     if g.max_new == 1 and torch.compiler.is_compiling():
         # Compiled decode: attention as plain reductions that the compiler fuses with the
         # block-table gather, so each cached key is read once, in place.

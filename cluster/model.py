@@ -21,6 +21,32 @@ from torch import nn
 from cluster.arch import ModelArch, RopeConfig
 from cluster.attention import AttentionMetadata, KVCache, paged_attention
 
+# Compiled CPU products with at most this many rows are written as reductions (see `Linear`).
+REDUCTION_MAX_ROWS = 2
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose compiled CPU products with one or two rows are written as reductions.
+
+    Decode at batch 1 multiplies one row by every weight matrix, so a step is bound by reading the
+    weights. Written as `(x * W).sum(-1)`, inductor emits one loop that streams each weight row once,
+    widens it to float32 in registers and accumulates; on CPU that reads bfloat16 weights about twice
+    as fast as the GEMM kernels it would pick for the product (`benchmarks/decode_roofline.py`). Each
+    extra row is its own reduction over the same weight rows, fused into the same loop, so the gain
+    fades with the row count; from `REDUCTION_MAX_ROWS + 1` rows on, GEMM kernels win.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else REDUCTION_MAX_ROWS + 1
+        if rows > REDUCTION_MAX_ROWS or self.weight.device.type != "cpu" or not torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)
+        # float32 row times bfloat16 weight: the widening happens inside the fused loop. An explicit
+        # `weight.float()` would be folded into a float32 copy of the weights, doubling the bytes read.
+        y = torch.stack([(x[i].float() * self.weight).sum(-1) for i in range(rows)])
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -67,8 +93,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.scale = self.head_dim**-0.5
         self.window = window
 
@@ -92,8 +118,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
+        self.down_proj = Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -122,7 +148,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, w) for w in arch.sliding_windows)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(arch.rope, arch.head_dim), persistent=False)

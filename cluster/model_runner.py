@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from cluster import cpu_kernels
 from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata, kv_row_bytes
 from cluster.block_manager import kv_block_bytes, num_blocks_for_budget
 from cluster.config import CacheConfig
@@ -49,6 +50,8 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = sampler
         self.compiled = compiled
+        if self.device.type == "cpu":
+            cpu_kernels.available()  # build (or load) the CPU kernels now, not in the first decode step
 
     @torch.inference_mode()
     def execute(

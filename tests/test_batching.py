@@ -97,8 +97,9 @@ def test_metadata_rejects_short_block_table():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reductions_equal_the_sdpa_path(dtype):
-    """The compiled-decode attention (plain reductions over the paged cache) equals the default path."""
-    from cluster.attention import _decode_attention, paged_attention
+    """The compiled-decode attention (plain reductions over the paged cache, used where the CPU
+    kernel cannot be built) equals the gather-then-SDPA path."""
+    from cluster.attention import _attend_padded, _decode_attention, _write_kv
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, hd, blocks = 6, 2, 16, 12
@@ -111,8 +112,9 @@ def test_decode_attention_reductions_equal_the_sdpa_path(dtype):
     v = torch.randn(3, kv_heads, hd, generator=gen).to(dtype)
     for window in (None, 5):
         kv = (k_cache.clone(), v_cache.clone())
-        expected = paged_attention(q, k, v, kv, meta, 0.25, window)
+        _write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         (group,) = meta.groups
+        expected = _attend_padded(q, kv[0], kv[1], group.block_tables, group.query_index, group.masks[window], 1, 0.25)
         got = _decode_attention(q, kv[0], kv[1], group.block_tables, group.masks[window], 0.25)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(got.float(), expected.float()) <= tol

@@ -1,0 +1,68 @@
+"""CPU kernels torch lacks, built from `cluster/csrc/` on first use.
+
+`decode_attention` is paged attention for decode rows: every cached key and value is read once, in
+place, through the block table (torch's paths either gather the cache into a copy first or, under
+`torch.compile`, spend most of their time on per-element index arithmetic). The source is compiled
+with the machine's own C++ compiler through `torch.utils.cpp_extension`, once per source version
+(cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), for the CPU it runs
+on. Where it cannot be built (no compiler, `TANDEM_CPU_KERNELS=0`) callers keep torch's path; the
+outputs agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried
+
+
+@torch.compiler.assume_constant_result  # compiled graphs take the answer as given at trace time
+def available() -> bool:
+    """Builds (first call only) and loads the kernels; False where they cannot be built."""
+    if "loaded" in _state:
+        return _state["loaded"]
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load()
+    return _state["loaded"]
+
+
+def _load() -> bool:
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="tandem_cpu_kernels",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, an unsupported platform: torch's path still works
+        log.warning("CPU kernels unavailable, using torch's attention instead: %s", e)
+        return False
+    return True
+
+
+_library = torch.library.Library("tandem_cpu", "DEF")
+_library.define(
+    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, float scale)"
+    " -> Tensor"
+)
+
+
+@torch.library.register_fake("tandem_cpu::decode_attention")
+def _(q, k_cache, v_cache, block_tables, mask, scale):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

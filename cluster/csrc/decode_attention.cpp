@@ -1,0 +1,263 @@
+// Paged attention for decode rows (one query per sequence) on CPU.
+//
+// Each (sequence, KV head) pair is one task: the query heads that share the KV head are scored
+// against every cached key the mask admits, read in place through the block table, then the
+// values are summed with the softmax weights. Each cached row is read once per task, converted to
+// float32 in registers; nothing is gathered into a temporary copy of the cache. An int8 cache row
+// holds head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
+//
+// The CPU implementation of `tandem_cpu::decode_attention`, which `cluster/cpu_kernels.py` defines,
+// builds and loads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(int8_t x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+// Sixteen elements of a row as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+constexpr int64_t kMaxVectorDim = 256;  // rows of up to 16 vectors are held in registers
+constexpr int64_t kPrefetchAhead = 8;    // rows: the table scatters them, so the hardware cannot guess
+
+template <typename Rows>
+inline void prefetch_row(const Rows& rows, int64_t r, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(rows.row(r));
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+#endif
+
+// exp(x) for the x <= 0 of a softmax (scores minus their maximum), vectorisable: 2^n times a
+// degree-6 polynomial for 2^f, |f| <= 1/2; relative error about 2e-7, float32's own rounding.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;  // x / ln 2
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// Rows of the cache in the model's dtype.
+template <typename T>
+struct PlainRows {
+  const T* base;
+  int64_t row_elems;  // elements from one (slot, head) row to the next
+  const T* row(int64_t r) const { return base + r * row_elems; }
+  float scale(int64_t) const { return 1.f; }
+};
+
+// Quantised rows: `dim` int8 values, then the row's float32 scale.
+struct Int8Rows {
+  const uint8_t* base;
+  int64_t row_bytes;
+  int64_t dim;
+  const int8_t* row(int64_t r) const { return reinterpret_cast<const int8_t*>(base + r * row_bytes); }
+  float scale(int64_t r) const {
+    float s;
+    std::memcpy(&s, base + r * row_bytes + dim, sizeof(s));
+    return s;
+  }
+};
+
+// scores[g * stride + i] = scale * <q_g, key row i> for each of the `groups` query heads.
+template <typename Rows>
+void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, int64_t groups, int64_t dim,
+           float scale, float* scores, int64_t stride) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim <= kMaxVectorDim) {
+    const int64_t chunks = dim / 16;
+    __m512 k[kMaxVectorDim / 16];
+    const int64_t row_bytes = dim * sizeof(*keys.row(0));
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], row_bytes);
+      const auto* r = keys.row(rows[i]);
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(r + 16 * c);
+      const float row_scale = keys.scale(rows[i]) * scale;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qg = qf + g * dim;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+        for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a);
+        scores[g * stride + i] = _mm512_reduce_add_ps(a) * row_scale;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const auto* r = keys.row(rows[i]);
+    const float row_scale = keys.scale(rows[i]) * scale;
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * widen(r[d]);
+      scores[g * stride + i] = s * row_scale;
+    }
+  }
+}
+
+// acc[g] += probs[g * stride + i] * value row i, for each query head g.
+template <typename Rows>
+void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
+                int64_t groups, int64_t dim, float* acc) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim <= kMaxVectorDim) {
+    const int64_t chunks = dim / 16;
+    __m512 v[kMaxVectorDim / 16];
+    const int64_t row_bytes = dim * sizeof(*values.row(0));
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) prefetch_row(values, rows[i + kPrefetchAhead], row_bytes);
+      const auto* r = values.row(rows[i]);
+      for (int64_t c = 0; c < chunks; ++c) v[c] = load16(r + 16 * c);
+      const float row_scale = values.scale(rows[i]);
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m512 w = _mm512_set1_ps(probs[g * stride + i] * row_scale);
+        float* ag = acc + g * dim;
+        for (int64_t c = 0; c < chunks; ++c)
+          _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(ag + 16 * c)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const auto* r = values.row(rows[i]);
+    const float row_scale = values.scale(rows[i]);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float w = probs[g * stride + i] * row_scale;
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += w * widen(r[d]);
+    }
+  }
+}
+
+template <typename Q, typename Rows>
+void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at::Tensor& block_tables,
+            const at::Tensor& mask, int64_t block_size, int64_t kv_heads, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t groups = heads / kv_heads, max_blocks = block_tables.size(1), ctx = mask.size(-1);
+  const Q* q_ptr = q.data_ptr<Q>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const bool* masks = mask.data_ptr<bool>();
+  Q* out_ptr = out.data_ptr<Q>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(groups * dim), acc(groups * dim), scores(groups * ctx), sums(groups);
+    std::vector<int64_t> rows(ctx);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const bool* m = masks + s * ctx;
+      const int64_t* table = tables + s * max_blocks;
+      int64_t n = 0;  // admitted positions, in order
+      for (int64_t b = 0, p = 0; b < max_blocks; ++b) {
+        const int64_t first_row = table[b] * block_size * kv_heads + h;
+        for (int64_t o = 0; o < block_size; ++o, ++p)
+          if (m[p]) rows[n++] = first_row + o * kv_heads;
+      }
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = widen(q_ptr[(s * heads + h * groups + g) * dim + d]);
+      score(keys, rows.data(), n, qf.data(), groups, dim, fscale, scores.data(), ctx);
+      for (int64_t g = 0; g < groups; ++g) {
+        float* sc = &scores[g * ctx];
+        float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; ++i) top = std::max(top, sc[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          sc[i] = exp_nonpositive(sc[i] - top);
+          sum += sc[i];
+        }
+        sums[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      accumulate(values, rows.data(), n, scores.data(), ctx, groups, dim, acc.data());
+      for (int64_t g = 0; g < groups; ++g) {
+        const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;  // a fully masked row attends to nothing
+        Q* o = out_ptr + (s * heads + h * groups + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<Q>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad attention shapes");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "decode_attention runs on CPU tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && mask.scalar_type() == at::kBool, "bad index dtypes");
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), dim = q.size(2);
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(mask.numel() == q.size(0) * block_tables.size(1) * block_size, "mask must be [S, 1, 1, ctx]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), m = mask.contiguous();
+  const int64_t num_blocks = k_cache.size(0);
+  const int64_t* t = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < num_blocks, "block table entry ", t[i], " outside the cache's ", num_blocks, " blocks");
+  at::Tensor out = at::empty_like(qc);
+  const bool int8 = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(int8 ? k_cache.size(3) == dim + 4 : k_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == dim,
+              "the KV cache must hold q's dtype, or int8 rows with their scales");
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    if (int8) {
+      const int64_t row = k_cache.size(3);
+      attend<scalar_t>(qc, Int8Rows{k_cache.data_ptr<uint8_t>(), row, dim},
+                       Int8Rows{v_cache.data_ptr<uint8_t>(), row, dim}, tables, m, block_size, kv_heads, scale, out);
+    } else {
+      attend<scalar_t>(qc, PlainRows<scalar_t>{k_cache.data_ptr<scalar_t>(), dim},
+                       PlainRows<scalar_t>{v_cache.data_ptr<scalar_t>(), dim}, tables, m, block_size, kv_heads, scale,
+                       out);
+    }
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "decode_attention takes float32, bfloat16 or float16 queries");
+  }
+  return out.view({q.size(0), q.size(1) * dim});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
