@@ -84,6 +84,7 @@ struct PlainRows {
   int64_t row_elems;  // elements from one (slot, head) row to the next
   const T* row(int64_t r) const { return base + r * row_elems; }
   float scale(int64_t) const { return 1.f; }
+  int64_t stride_bytes() const { return row_elems * sizeof(T); }
 };
 
 // Quantised rows: `dim` int8 values, then the row's float32 scale.
@@ -92,6 +93,7 @@ struct Int8Rows {
   int64_t row_bytes;
   int64_t dim;
   const int8_t* row(int64_t r) const { return reinterpret_cast<const int8_t*>(base + r * row_bytes); }
+  int64_t stride_bytes() const { return row_bytes; }
   float scale(int64_t r) const {
     float s;
     std::memcpy(&s, base + r * row_bytes + dim, sizeof(s));
@@ -99,121 +101,151 @@ struct Int8Rows {
   }
 };
 
-// scores[g * stride + i] = scale * <q_g, key row i> for each of the `groups` query heads.
+// scores[qh * stride + i] = scale * <q_qh, key row of position i for qh's KV head>, for every query
+// head qh = h * groups + g. rows[i] is position i's row for KV head 0; its heads' rows follow it.
 template <typename Rows>
-void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, int64_t groups, int64_t dim,
-           float scale, float* scores, int64_t stride) {
+void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, int64_t kv_heads, int64_t groups,
+           int64_t dim, float scale, float* scores, int64_t stride) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim <= kMaxVectorDim) {
-    const int64_t chunks = dim / 16;
+    const int64_t chunks = dim / 16, position_bytes = kv_heads * keys.stride_bytes();
     __m512 k[kMaxVectorDim / 16];
-    const int64_t row_bytes = dim * sizeof(*keys.row(0));
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], row_bytes);
-      const auto* r = keys.row(rows[i]);
-      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(r + 16 * c);
-      const float row_scale = keys.scale(rows[i]) * scale;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* qg = qf + g * dim;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-        for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a);
-        scores[g * stride + i] = _mm512_reduce_add_ps(a) * row_scale;
+      if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const auto* r = keys.row(rows[i] + h);
+        for (int64_t c = 0; c < chunks; ++c) k[c] = load16(r + 16 * c);
+        const float row_scale = keys.scale(rows[i] + h) * scale;
+        for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+          const float* qv = qf + qh * dim;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qv), k[0]);
+          for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * c), k[c], a);
+          scores[qh * stride + i] = _mm512_reduce_add_ps(a) * row_scale;
+        }
       }
     }
     return;
   }
 #endif
-  for (int64_t i = 0; i < n; ++i) {
-    const auto* r = keys.row(rows[i]);
-    const float row_scale = keys.scale(rows[i]) * scale;
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * widen(r[d]);
-      scores[g * stride + i] = s * row_scale;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const auto* r = keys.row(rows[i] + h);
+      const float row_scale = keys.scale(rows[i] + h) * scale;
+      for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+        float s = 0.f;
+        for (int64_t d = 0; d < dim; ++d) s += qf[qh * dim + d] * widen(r[d]);
+        scores[qh * stride + i] = s * row_scale;
+      }
     }
-  }
 }
 
-// acc[g] += probs[g * stride + i] * value row i, for each query head g.
+// acc[qh] += probs[qh * stride + i] * value row of position i for qh's KV head, for every query head.
 template <typename Rows>
 void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
-                int64_t groups, int64_t dim, float* acc) {
+                int64_t kv_heads, int64_t groups, int64_t dim, float* acc) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim <= kMaxVectorDim) {
-    const int64_t chunks = dim / 16;
+    const int64_t chunks = dim / 16, position_bytes = kv_heads * values.stride_bytes();
     __m512 v[kMaxVectorDim / 16];
-    const int64_t row_bytes = dim * sizeof(*values.row(0));
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) prefetch_row(values, rows[i + kPrefetchAhead], row_bytes);
-      const auto* r = values.row(rows[i]);
-      for (int64_t c = 0; c < chunks; ++c) v[c] = load16(r + 16 * c);
-      const float row_scale = values.scale(rows[i]);
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m512 w = _mm512_set1_ps(probs[g * stride + i] * row_scale);
-        float* ag = acc + g * dim;
-        for (int64_t c = 0; c < chunks; ++c)
-          _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(ag + 16 * c)));
+      if (i + kPrefetchAhead < n) prefetch_row(values, rows[i + kPrefetchAhead], position_bytes);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const auto* r = values.row(rows[i] + h);
+        for (int64_t c = 0; c < chunks; ++c) v[c] = load16(r + 16 * c);
+        const float row_scale = values.scale(rows[i] + h);
+        for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+          const __m512 w = _mm512_set1_ps(probs[qh * stride + i] * row_scale);
+          float* a = acc + qh * dim;
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+        }
       }
     }
     return;
   }
 #endif
-  for (int64_t i = 0; i < n; ++i) {
-    const auto* r = values.row(rows[i]);
-    const float row_scale = values.scale(rows[i]);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float w = probs[g * stride + i] * row_scale;
-      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += w * widen(r[d]);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const auto* r = values.row(rows[i] + h);
+      const float row_scale = values.scale(rows[i] + h);
+      for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+        const float w = probs[qh * stride + i] * row_scale;
+        for (int64_t d = 0; d < dim; ++d) acc[qh * dim + d] += w * widen(r[d]);
+      }
     }
-  }
 }
 
+// One task is one part of one sequence's context (all of it when there are enough sequences to
+// keep every thread busy): its positions' rows are read once, all heads at a time, in cache order.
+// A part leaves its running maximum, sum of exponentials and unnormalised output per query head;
+// the parts of a sequence are then merged (split-context decoding).
 template <typename Q, typename Rows>
 void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at::Tensor& block_tables,
             const at::Tensor& mask, int64_t block_size, int64_t kv_heads, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t groups = heads / kv_heads, max_blocks = block_tables.size(1), ctx = mask.size(-1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({threads / num_seqs, max_blocks / 8, 64}));
+  const int64_t blocks_per_part = (max_blocks + parts - 1) / parts, part_ctx = blocks_per_part * block_size;
   const Q* q_ptr = q.data_ptr<Q>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const bool* masks = mask.data_ptr<bool>();
-  Q* out_ptr = out.data_ptr<Q>();
   const float fscale = static_cast<float>(scale);
+  std::vector<float> tops(num_seqs * parts * heads), sums(num_seqs * parts * heads);
+  std::vector<float> partial(num_seqs * parts * heads * dim);
 
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(groups * dim), acc(groups * dim), scores(groups * ctx), sums(groups);
-    std::vector<int64_t> rows(ctx);
+  at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), scores(heads * part_ctx);
+    std::vector<int64_t> rows(part_ctx);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const bool* m = masks + s * ctx;
+      const int64_t s = task / parts, part = task % parts;
       const int64_t* table = tables + s * max_blocks;
-      int64_t n = 0;  // admitted positions, in order
-      for (int64_t b = 0, p = 0; b < max_blocks; ++b) {
-        const int64_t first_row = table[b] * block_size * kv_heads + h;
-        for (int64_t o = 0; o < block_size; ++o, ++p)
-          if (m[p]) rows[n++] = first_row + o * kv_heads;
+      int64_t n = 0;  // admitted positions of this part, in order
+      for (int64_t b = part * blocks_per_part; b < std::min(max_blocks, (part + 1) * blocks_per_part); ++b) {
+        const bool* m = masks + s * ctx + b * block_size;
+        const int64_t first_row = table[b] * block_size * kv_heads;
+        for (int64_t o = 0; o < block_size; ++o)
+          if (m[o]) rows[n++] = first_row + o * kv_heads;
       }
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = widen(q_ptr[(s * heads + h * groups + g) * dim + d]);
-      score(keys, rows.data(), n, qf.data(), groups, dim, fscale, scores.data(), ctx);
-      for (int64_t g = 0; g < groups; ++g) {
-        float* sc = &scores[g * ctx];
-        float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-        for (int64_t i = 0; i < n; ++i) top = std::max(top, sc[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < heads * dim; ++i) qf[i] = widen(q_ptr[s * heads * dim + i]);
+      score(keys, rows.data(), n, qf.data(), kv_heads, groups, dim, fscale, scores.data(), part_ctx);
+      float* top = &tops[task * heads];
+      float* sum = &sums[task * heads];
+      for (int64_t qh = 0; qh < heads; ++qh) {
+        float* sc = &scores[qh * part_ctx];
+        float t = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) t = std::max(t, sc[i]);
+        float total = 0.f;
         for (int64_t i = 0; i < n; ++i) {
-          sc[i] = exp_nonpositive(sc[i] - top);
-          sum += sc[i];
+          sc[i] = exp_nonpositive(sc[i] - t);
+          total += sc[i];
         }
-        sums[g] = sum;
+        top[qh] = t;
+        sum[qh] = total;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      accumulate(values, rows.data(), n, scores.data(), ctx, groups, dim, acc.data());
-      for (int64_t g = 0; g < groups; ++g) {
-        const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;  // a fully masked row attends to nothing
-        Q* o = out_ptr + (s * heads + h * groups + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<Q>(acc[g * dim + d] * inv);
+      float* acc = &partial[task * heads * dim];
+      std::fill(acc, acc + heads * dim, 0.f);
+      accumulate(values, rows.data(), n, scores.data(), part_ctx, kv_heads, groups, dim, acc);
+    }
+  });
+
+  Q* out_ptr = out.data_ptr<Q>();
+  at::parallel_for(0, num_seqs * heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t sq = begin; sq < end; ++sq) {
+      const int64_t s = sq / heads, qh = sq % heads;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, tops[(s * parts + part) * heads + qh]);
+      float total = 0.f, weight[64];  // parts <= threads; capped at 64 below
+      for (int64_t part = 0; part < parts; ++part) {
+        const float t = tops[(s * parts + part) * heads + qh];
+        weight[part] = t == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(t - top);
+        total += weight[part] * sums[(s * parts + part) * heads + qh];
+      }
+      Q* o = out_ptr + sq * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        float x = 0.f;
+        for (int64_t part = 0; part < parts; ++part) x += weight[part] * partial[((s * parts + part) * heads + qh) * dim + d];
+        o[d] = static_cast<Q>(total > 0.f ? x / total : 0.f);  // a fully masked row attends to nothing
       }
     }
   });
