@@ -37,12 +37,12 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else REDUCTION_MAX_ROWS + 1
-        if rows > REDUCTION_MAX_ROWS or self.weight.device.type != "cpu" or not torch.compiler.is_compiling():
+        few_rows = x.dim() == 2 and x.shape[0] <= REDUCTION_MAX_ROWS
+        if not few_rows or self.weight.device.type != "cpu" or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         # float32 row times bfloat16 weight: the widening happens inside the fused loop. An explicit
         # `weight.float()` would be folded into a float32 copy of the weights, doubling the bytes read.
-        y = torch.stack([(x[i].float() * self.weight).sum(-1) for i in range(rows)])
+        y = torch.stack([(x[i].float() * self.weight).sum(-1) for i in range(x.shape[0])])
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

@@ -1,10 +1,11 @@
 // Paged attention for decode rows (one query per sequence) on CPU.
 //
-// Each (sequence, KV head) pair is one task: the query heads that share the KV head are scored
-// against every cached key the mask admits, read in place through the block table, then the
-// values are summed with the softmax weights. Each cached row is read once per task, converted to
-// float32 in registers; nothing is gathered into a temporary copy of the cache. An int8 cache row
-// holds head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
+// A task is one part of one sequence's context (the whole context when there are enough sequences
+// to keep every thread busy). It reads each admitted position's keys, for all KV heads at once, in
+// place through the block table, scores every query head against them, then sums the values with
+// the softmax weights; rows are converted to float32 in registers and nothing is gathered into a
+// copy of the cache. The parts of a sequence are merged afterwards (split-context decoding). An int8
+// cache row holds head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
 //
 // The CPU implementation of `tandem_cpu::decode_attention`, which `cluster/cpu_kernels.py` defines,
 // builds and loads.
@@ -24,6 +25,8 @@
 #endif
 
 namespace {
+
+constexpr int64_t kMaxParts = 64;  // context parts of one sequence
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) {
@@ -175,17 +178,53 @@ void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float*
     }
 }
 
-// One task is one part of one sequence's context (all of it when there are enough sequences to
-// keep every thread busy): its positions' rows are read once, all heads at a time, in cache order.
-// A part leaves its running maximum, sum of exponentials and unnormalised output per query head;
-// the parts of a sequence are then merged (split-context decoding).
+// scores[0, n) -> exp(score - max), in place; leaves the max and the sum of the exponentials.
+inline void exponentiate(float* scores, int64_t n, float* top, float* sum) {
+  float t = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) t = std::max(t, scores[i]);
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    scores[i] = exp_nonpositive(scores[i] - t);
+    total += scores[i];
+  }
+  *top = t;
+  *sum = total;
+}
+
+// out[s, qh] = the parts' unnormalised outputs rescaled to their common maximum, over their sums.
+template <typename Q>
+void merge(const float* tops, const float* sums, const float* partial, int64_t num_seqs, int64_t parts,
+           int64_t heads, int64_t dim, Q* out) {
+  at::parallel_for(0, num_seqs * heads, 16, [&](int64_t begin, int64_t end) {
+    float weight[kMaxParts];
+    for (int64_t sq = begin; sq < end; ++sq) {
+      const int64_t s = sq / heads, qh = sq % heads;
+      const auto slot = [&](int64_t part) { return (s * parts + part) * heads + qh; };
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < parts; ++part) top = std::max(top, tops[slot(part)]);
+      float total = 0.f;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float t = tops[slot(part)];  // -inf: the part admitted no position
+        weight[part] = t == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(t - top);
+        total += weight[part] * sums[slot(part)];
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        float x = 0.f;
+        for (int64_t part = 0; part < parts; ++part) x += weight[part] * partial[slot(part) * dim + d];
+        out[sq * dim + d] = static_cast<Q>(total > 0.f ? x / total : 0.f);  // fully masked: attends to nothing
+      }
+    }
+  });
+}
+
+// A part leaves its maximum score, sum of exponentials and unnormalised output per query head.
 template <typename Q, typename Rows>
 void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at::Tensor& block_tables,
             const at::Tensor& mask, int64_t block_size, int64_t kv_heads, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t groups = heads / kv_heads, max_blocks = block_tables.size(1), ctx = mask.size(-1);
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({threads / num_seqs, max_blocks / 8, 64}));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({threads / num_seqs, max_blocks / 8, kMaxParts}));
   const int64_t blocks_per_part = (max_blocks + parts - 1) / parts, part_ctx = blocks_per_part * block_size;
   const Q* q_ptr = q.data_ptr<Q>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -209,46 +248,15 @@ void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at:
       }
       for (int64_t i = 0; i < heads * dim; ++i) qf[i] = widen(q_ptr[s * heads * dim + i]);
       score(keys, rows.data(), n, qf.data(), kv_heads, groups, dim, fscale, scores.data(), part_ctx);
-      float* top = &tops[task * heads];
-      float* sum = &sums[task * heads];
-      for (int64_t qh = 0; qh < heads; ++qh) {
-        float* sc = &scores[qh * part_ctx];
-        float t = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) t = std::max(t, sc[i]);
-        float total = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          sc[i] = exp_nonpositive(sc[i] - t);
-          total += sc[i];
-        }
-        top[qh] = t;
-        sum[qh] = total;
-      }
+      for (int64_t qh = 0; qh < heads; ++qh)
+        exponentiate(&scores[qh * part_ctx], n, &tops[task * heads + qh], &sums[task * heads + qh]);
       float* acc = &partial[task * heads * dim];
       std::fill(acc, acc + heads * dim, 0.f);
       accumulate(values, rows.data(), n, scores.data(), part_ctx, kv_heads, groups, dim, acc);
     }
   });
 
-  Q* out_ptr = out.data_ptr<Q>();
-  at::parallel_for(0, num_seqs * heads, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t sq = begin; sq < end; ++sq) {
-      const int64_t s = sq / heads, qh = sq % heads;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t part = 0; part < parts; ++part) top = std::max(top, tops[(s * parts + part) * heads + qh]);
-      float total = 0.f, weight[64];  // parts <= threads; capped at 64 below
-      for (int64_t part = 0; part < parts; ++part) {
-        const float t = tops[(s * parts + part) * heads + qh];
-        weight[part] = t == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(t - top);
-        total += weight[part] * sums[(s * parts + part) * heads + qh];
-      }
-      Q* o = out_ptr + sq * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        float x = 0.f;
-        for (int64_t part = 0; part < parts; ++part) x += weight[part] * partial[((s * parts + part) * heads + qh) * dim + d];
-        o[d] = static_cast<Q>(total > 0.f ? x / total : 0.f);  // a fully masked row attends to nothing
-      }
-    }
-  });
+  merge(tops.data(), sums.data(), partial.data(), num_seqs, parts, heads, dim, out.data_ptr<Q>());
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
