@@ -85,6 +85,14 @@ def allocate_kv_cache(
     ]
 
 
+def as_decode_rows(chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
+    """Each chunk's new tokens as one-token chunks of the same sequence, in order: the same
+    positions and slots, and each token attends to the positions up to its own. A pass writes every
+    new key and value before any token attends, so a sequence's few new tokens (a draft to verify,
+    a draft model catching up) can run as decode rows, through the decode kernels and graphs."""
+    return [SeqChunk(c.block_table, c.num_cached + j, 1) for c in chunks for j in range(c.num_new)]
+
+
 def build_attention_metadata(
     chunks: Sequence[SeqChunk],
     block_size: int,

@@ -20,7 +20,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "skinny_linear.cpp"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried
 
@@ -44,14 +45,15 @@ def _load() -> bool:
 
         cpp_extension.load(
             name="tandem_cpu_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, an unsupported platform: torch's path still works
-        log.warning("CPU kernels unavailable, using torch's attention instead: %s", e)
+        log.warning("CPU kernels unavailable, using torch's kernels instead: %s", e)
         return False
     return True
 
@@ -63,6 +65,15 @@ _library.define(
 )
 
 
+_library.define("skinny_linear(Tensor x, Tensor weight) -> Tensor")
+SKINNY_MAX_ROWS = 8  # the most rows `skinny_linear` takes
+
+
 @torch.library.register_fake("tandem_cpu::decode_attention")
 def _(q, k_cache, v_cache, block_tables, mask, scale):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.register_fake("tandem_cpu::skinny_linear")
+def _(x, weight):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], weight.shape[0])

@@ -18,31 +18,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster import cpu_kernels
 from cluster.arch import ModelArch, RopeConfig
 from cluster.attention import AttentionMetadata, KVCache, paged_attention
 
-# Compiled CPU products with at most this many rows are written as reductions (see `Linear`).
+# Compiled CPU products with at most this many rows are written as reductions where the CPU
+# kernels are missing (see `Linear`).
 REDUCTION_MAX_ROWS = 2
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose compiled CPU products with one or two rows are written as reductions.
+    """`nn.Linear` whose CPU products with a few rows stream each weight row once.
 
-    Decode at batch 1 multiplies one row by every weight matrix, so a step is bound by reading the
-    weights. Written as `(x * W).sum(-1)`, inductor emits one loop that streams each weight row once,
-    widens it to float32 in registers and accumulates; on CPU that reads bfloat16 weights about twice
-    as fast as the GEMM kernels it would pick for the product (`benchmarks/decode_roofline.py`). Each
-    extra row is its own reduction over the same weight rows, fused into the same loop, so the gain
-    fades with the row count; from `REDUCTION_MAX_ROWS + 1` rows on, GEMM kernels win.
+    Decode multiplies one row per sequence (or per verified draft token) by every weight matrix, so
+    a step is bound by reading the weights, and torch's GEMM kernels read them at a fraction of the
+    bandwidth. Up to `cpu_kernels.SKINNY_MAX_ROWS` rows go through `tandem_cpu::skinny_linear`,
+    eager and compiled, which reads each weight row once for all of them. Where that kernel cannot be
+    built, compiled products with one or two rows are written as `(x * W).sum(-1)`, which inductor
+    turns into one loop over the weight rows.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        few_rows = x.dim() == 2 and x.shape[0] <= REDUCTION_MAX_ROWS
-        if not few_rows or self.weight.device.type != "cpu" or not torch.compiler.is_compiling():
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if not 0 < rows <= cpu_kernels.SKINNY_MAX_ROWS or self.weight.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if x.dtype == self.weight.dtype and not x.requires_grad and cpu_kernels.available():
+            y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        if rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         # float32 row times bfloat16 weight: the widening happens inside the fused loop. An explicit
         # `weight.float()` would be folded into a float32 copy of the weights, doubling the bytes read.
-        y = torch.stack([(x[i].float() * self.weight).sum(-1) for i in range(x.shape[0])])
+        y = torch.stack([(x[i].float() * self.weight).sum(-1) for i in range(rows)])
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

@@ -8,25 +8,23 @@ token for each chunk that reaches its request's last token.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
 from cluster import cpu_kernels
-from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata, kv_row_bytes
+from cluster.attention import (
+    SeqChunk,
+    allocate_kv_cache,
+    as_decode_rows,
+    build_attention_metadata,
+    kv_row_bytes,
+)
 from cluster.block_manager import kv_block_bytes, num_blocks_for_budget
+from cluster.compiled import CompiledDecode
 from cluster.config import CacheConfig
 from cluster.model import CausalLM
 from cluster.request import StepPlan
 from cluster.sampler import Sampler, SampleResult, SampleRow
-
-
-class CompiledSteps(Protocol):
-    """Decode-only steps through a compiled graph (`decode_worker.compiled.CompiledDecode`)."""
-
-    def fits(self, batch: int) -> bool: ...
-
-    def __call__(self, input_ids: list[int], chunks: list[SeqChunk], kv_cache: KVCache) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -36,7 +34,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         sampler: Sampler,
-        compiled: CompiledSteps | None = None,
+        compiled: CompiledDecode | None = None,
         kv_dtype: str = "auto",
     ) -> None:
         arch = model.arch
@@ -59,20 +57,17 @@ class ModelRunner:
     ) -> SampleResult:
         """Runs `plan`; `rows` describe, in plan order, the chunks whose `samples` is true.
         `after_layer(i)` is called once layer `i` has written its KV (so it can be shipped early)."""
-        chunks = [SeqChunk(c.block_table, c.start, c.num_new) for c in plan.chunks]
-        decode_only = all(c.num_new == 1 and c.samples for c in plan.chunks)
-        if self.compiled is not None and after_layer is None and decode_only and self.compiled.fits(len(chunks)):
-            self.copy_blocks(plan.copies)
-            input_ids = [i for c in plan.chunks for i in c.input_token_ids]
-            return self.sampler(self.compiled(input_ids, chunks, self.kv_cache).cpu(), rows)
         logits = self.logits(plan, after_layer)
         return self.sampler(logits, rows) if logits is not None else SampleResult([], None, None)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan, after_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """One eager forward pass over `plan`; float32 logits [R, vocab] on the CPU, where each chunk
+        """One forward pass over `plan`; float32 logits [R, vocab] on the CPU, where each chunk
         that samples gives one row per draft token plus one (its last 1 + len(draft) positions),
-        in plan order. None when no chunk samples."""
+        in plan order. None when no chunk samples.
+
+        A pass of decode rows and drafts to verify (every new token samples) runs each new token as
+        a decode row (`as_decode_rows`): through a compiled graph where one fits, else eagerly."""
         self.copy_blocks(plan.copies)
         chunks, input_ids, rows = [], [], []
         for c in plan.chunks:
@@ -81,6 +76,10 @@ class ModelRunner:
                 rows.extend(range(end - 1 - len(c.draft), end))
             chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
             input_ids.extend(c.input_token_ids)
+        if after_layer is None and len(rows) == len(input_ids):
+            chunks = as_decode_rows(chunks)
+            if self.compiled is not None and self.compiled.fits(len(chunks)):
+                return self.compiled(input_ids, chunks, self.kv_cache).cpu()
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta.positions, self.kv_cache, meta, after_layer)

@@ -17,19 +17,22 @@ Two proposers:
   output copies from the prompt (code edits, quoting, extraction).
 - `DraftProposer`: a small model with the target's vocabulary, run in the same process over its
   own paged KV cache. Each request keeps its draft KV between steps; what the target rejected is
-  recomputed on the next call.
+  recomputed on the next call. Given batch buckets, its passes after a request's first (one or
+  two tokens per request) run through compiled graphs (`cluster.compiled`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
 from cluster.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
+from cluster.compiled import CompiledDecode
 from cluster.config import SpeculativeConfig
 from cluster.loader import load_model
 from cluster.model import CausalLM
@@ -91,16 +94,20 @@ class _DraftState:
 class DraftProposer:
     """Runs a draft model autoregressively for k tokens per request, all requests batched per pass."""
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler, compile_buckets: Sequence[int] = ()
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         arch = model.arch
+        # One block past the block manager's range: the scratch block that compiled padding rows use.
         self.kv_cache = allocate_kv_cache(
-            arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+            arch.num_layers, num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim,
             model.embed_tokens.weight.dtype, self.device,
         )  # fmt: skip
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
+        self.compiled = CompiledDecode(model, compile_buckets, block_size, num_blocks) if compile_buckets else None
         self.sampler = sampler
         self._states: dict[str, _DraftState] = {}
 
@@ -127,10 +134,7 @@ class DraftProposer:
                     new = [tokens[i][-1]]
                     chunks.append(SeqChunk(self.blocks.block_table(r.request_id), r.num_tokens + step - 1, 1))
                 ids.extend(new)
-            meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
-            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            hidden = self.model(ids_t, meta.positions, self.kv_cache, meta)
-            logits = self.model.compute_logits(hidden[meta.last_token_index]).float().cpu()
+            logits = self._logits(ids, chunks)
             # Greedy requests take the draft's argmax (a guess needs no penalties, and greedy
             # verification needs no draft probabilities); sampled ones draw from the distribution
             # their own parameters give, which verification needs.
@@ -152,6 +156,17 @@ class DraftProposer:
             state.proposed_at, state.proposed = r.num_tokens, tuple(tokens[i])
             drafts[i] = Draft(tuple(tokens[i]), torch.stack(probs[i]) if probs[i] else None)
         return drafts
+
+    def _logits(self, ids: list[int], chunks: list[SeqChunk]) -> torch.Tensor:
+        """One pass of the draft model: float32 logits [len(chunks), vocab] at each chunk's last token."""
+        rows = as_decode_rows(chunks)
+        if self.compiled is not None and self.compiled.fits(len(rows)):
+            last = list(itertools.accumulate(c.num_new for c in chunks))
+            return self.compiled(ids, rows, self.kv_cache)[[i - 1 for i in last]].cpu()
+        meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, meta.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden[meta.last_token_index]).float().cpu()
 
     def _prepare(self, request: Request, k: int) -> bool:
         """Rolls the request's draft KV back to what the target kept and gives it blocks for k more
@@ -192,9 +207,12 @@ class DraftProposer:
             self.blocks.free(rid)
 
 
-def build_proposer(config: SpeculativeConfig, target: CausalLM, block_size: int, seed: int = 0) -> Proposer | None:
+def build_proposer(
+    config: SpeculativeConfig, target: CausalLM, block_size: int, seed: int = 0, compile_buckets: Sequence[int] = ()
+) -> Proposer | None:
     """The proposer a deployment's config asks for; the draft model loads beside the target, on
-    its device and in its dtype. Raises ValueError for a draft whose vocabulary differs."""
+    its device and in its dtype (its passes compiled for `compile_buckets` rows, when given).
+    Raises ValueError for a draft whose vocabulary differs."""
     if config.method == "none":
         return None
     if config.method == "ngram":
@@ -211,4 +229,4 @@ def build_proposer(config: SpeculativeConfig, target: CausalLM, block_size: int,
     a = draft.arch
     per_block = kv_block_bytes(block_size, a.num_layers, a.num_kv_heads, a.head_dim, weight.element_size())
     num_blocks = num_blocks_for_budget(int(config.draft_memory_gib * 2**30), per_block)
-    return DraftProposer(draft, num_blocks, block_size, Sampler(a.vocab_size, seed))
+    return DraftProposer(draft, num_blocks, block_size, Sampler(a.vocab_size, seed), compile_buckets)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.block_manager import BlockManager
+from cluster.compiled import CompiledDecode
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.model import CausalLM
 from cluster.model_runner import ModelRunner, num_kv_blocks
@@ -35,7 +36,6 @@ from cluster.request import Request, SamplingParams, ScheduledChunk, StepPlan
 from cluster.sampler import Draft, Sampler, SampleRow, TokenLogprob
 from cluster.speculative import Proposer
 from decode_worker.beam import BeamGroups, BeamResult
-from decode_worker.compiled import CompiledDecode
 from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
 from decode_worker.scheduler import Scheduler
 

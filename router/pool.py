@@ -58,9 +58,13 @@ class WorkerPool:
             try:
                 loads[name] = call.result()
             except grpc.RpcError:
-                with self._lock:
-                    self._checked = 0.0  # rediscover on the next request
+                self.rediscover()  # on the next request
         return loads
+
+    def rediscover(self) -> None:
+        """Asks `discover()` again on the next use, not after `refresh_s`."""
+        with self._lock:
+            self._checked = 0.0
 
     def close(self) -> None:
         with self._lock:

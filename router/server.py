@@ -283,10 +283,15 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         deadline = time.monotonic() + wait_s
         local = s.local_prefill_max_tokens if params.num_beams == 1 else len(prompt)
         max_tokens = params.max_tokens * params.num_beams
+        rediscovered = False
         while True:
             try:
                 return choose(prompt, max_tokens, self.pool.loads(), s.block_size, local)
             except NoCapacity:
+                if not rediscovered:  # a worker added since the last discovery may fit
+                    self.pool.rediscover()
+                    rediscovered = True
+                    continue
                 if time.monotonic() >= deadline or not wait_s:
                     raise
                 time.sleep(0.2)

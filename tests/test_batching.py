@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
 from cluster.generate import generate
 from cluster.loader import load_model
 
@@ -35,9 +35,14 @@ class Paged:
         )
 
     @torch.inference_mode()
-    def run(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
-        """One forward pass; sequence seqs[i] computes tokens[i] from position starts[i]. Logits per sequence."""
+    def run(
+        self, seqs: list[int], tokens: list[list[int]], starts: list[int], as_rows: bool = False
+    ) -> list[torch.Tensor]:
+        """One forward pass; sequence seqs[i] computes tokens[i] from position starts[i]. Logits per
+        sequence. `as_rows`: every new token as a decode row of its sequence."""
         chunks = [SeqChunk(self.tables[s], start, len(t)) for s, start, t in zip(seqs, starts, tokens, strict=True)]
+        if as_rows:
+            chunks = as_decode_rows(chunks)
         meta = build_attention_metadata(chunks, BLOCK, self.model.windows)
         ids = torch.tensor([t for ts in tokens for t in ts])
         logits = self.model.compute_logits(self.model(ids, meta.positions, self.kv, meta))
@@ -68,6 +73,26 @@ def test_mixed_batch_equals_each_sequence_alone(hf_models, name):
         assert a.shape == b.shape
         assert rel_err(b, a) <= 1e-5, f"sequence {i} {SHAPES[i]}"
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"sequence {i} {SHAPES[i]}"
+
+
+def test_few_new_tokens_as_decode_rows_equal_the_chunked_pass(hf_models):
+    """Drafts to verify run as one decode row per new token (`as_decode_rows`), through the decode
+    attention path: the same logits as the same tokens computed as chunks."""
+    model = load_model(hf_models["llama"][0], "float32")
+    shapes = [(20, 1), (17, 5), (3, 2), (31, 4)]
+    rng = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 320, (c + n,), generator=rng).tolist() for c, n in shapes]
+    results = []
+    for as_rows in (False, True):
+        paged = Paged(model, [len(s) for s in seqs], seed=2)
+        paged.run(list(range(len(seqs))), [s[:c] for s, (c, _) in zip(seqs, shapes, strict=True)], [0] * len(seqs))
+        tokens = [s[c:] for s, (c, _) in zip(seqs, shapes, strict=True)]
+        results.append(paged.run(list(range(len(seqs))), tokens, [c for c, _ in shapes], as_rows=as_rows))
+    chunked, rows = results
+    assert len(torch.cat(rows)) == sum(n for _, n in shapes)
+    for a, b in zip(chunked, rows, strict=True):
+        assert rel_err(b, a) <= 1e-5
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_batched_generation_equals_single(hf_models):

@@ -16,7 +16,8 @@ from cluster.attention import (
     paged_attention,
     quantize_rows,
 )
-from cluster.model import REDUCTION_MAX_ROWS, Linear
+from cluster.cpu_kernels import SKINNY_MAX_ROWS
+from cluster.model import Linear
 
 BLOCK = 8
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")
@@ -90,19 +91,74 @@ def test_bad_input_is_refused_with_a_clear_error():
         torch.ops.tandem_cpu.decode_attention(q[:, :8], k_cache, v_cache, g.block_tables, g.masks[None], 0.1)
 
 
+# -- skinny_linear: products of a few rows -------------------------------------------------------
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(SKINNY_MAX_ROWS, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 40)])
+def test_skinny_linear_equals_f_linear(dtype, n, k):
+    """Every row count, vector widths (96, 576: the bfloat16 pair path too) and a scalar one (40),
+    a weight split across threads (300 rows) and one too small to split."""
+    x, w = _weights(n, k, dtype)
+    for rows in range(1, SKINNY_MAX_ROWS + 1):
+        got = torch.ops.tandem_cpu.skinny_linear(x[:rows], w)
+        expected = F.linear(x[:rows].float(), w.float())
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * k**0.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_few_row_linear_equals_f_linear(dtype):
-    """`Linear` writes compiled one- and two-row CPU products as reductions; more rows stay GEMMs."""
+def test_skinny_linear_row_results_do_not_depend_on_their_company(dtype):
+    """A row's product is bit for bit the same alone or beside seven others: a token verified in a
+    draft scores exactly as it would decoding alone."""
+    x, w = _weights(300, 576, dtype)
+    together = torch.ops.tandem_cpu.skinny_linear(x, w)
+    for i in range(SKINNY_MAX_ROWS):
+        assert torch.equal(torch.ops.tandem_cpu.skinny_linear(x[i : i + 1], w)[0], together[i])
+
+
+def test_skinny_linear_refuses_what_it_cannot_do():
+    x, w = _weights(40, 96, torch.float32)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        torch.ops.tandem_cpu.skinny_linear(torch.cat([x, x[:1]]), w)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.tandem_cpu.skinny_linear(x.bfloat16(), w)
+    with pytest.raises(RuntimeError, match=r"x \[rows, k\] and weight \[n, k\]"):
+        torch.ops.tandem_cpu.skinny_linear(x[:, :95], w)
+
+
+def _layer(dtype: torch.dtype) -> Linear:
     gen = torch.Generator().manual_seed(1)
     layer = Linear(96, 40, bias=True).to(dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 96, generator=gen))
         layer.bias.copy_(torch.randn(40, generator=gen))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", [True, False], ids=["skinny-kernel", "no-kernels"])
+def test_linear_few_row_products_equal_f_linear(dtype, kernels, monkeypatch):
+    """`Linear`, eager and compiled, from one row to past the kernel's limit; without the kernels,
+    compiled one- and two-row products are reductions and the rest stay GEMMs."""
+    if not kernels:
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+        torch._dynamo.reset()  # graphs traced with the kernels available took that as a constant
+    layer = _layer(dtype)
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    for rows in range(1, REDUCTION_MAX_ROWS + 2):
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         with torch.inference_mode():
-            got, expected = compiled(x), F.linear(x, layer.weight, layer.bias)
-        assert got.dtype == dtype and got.shape == (rows, 40)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+            expected = F.linear(x, layer.weight, layer.bias)
+            for got in (layer(x), compiled(x)):
+                assert got.dtype == dtype and got.shape == (rows, 40)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 10)
+    torch._dynamo.reset()

@@ -211,8 +211,11 @@ def test_compiled_decode_matches_eager(llama, kv_dtype):
     compiled_engine.runner.compiled.warm_up(compiled_engine.kv_cache)
     compiled = collect(compiled_engine)
     assert compiled_engine.runner.compiled.steps > 0
+    # An int8 cache rounds each key to a step of max|row| / 127: a last-bit difference in a key
+    # before rounding can move it a whole step, so its logprobs agree less closely.
+    tol = 1e-4 if kv_dtype == "auto" else 1e-3
     for rid in requests:
         assert [t for t, _ in compiled[rid]] == [t for t, _ in eager[rid]], rid
         for (_, a), (_, b) in zip(compiled[rid], eager[rid], strict=True):
-            assert a == pytest.approx(b, abs=1e-4)
+            assert a == pytest.approx(b, abs=tol)
     assert compiled_engine.scheduler.blocks.num_free_blocks == compiled_engine.num_blocks

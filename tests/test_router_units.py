@@ -1,4 +1,4 @@
-"""The router's pure parts: request validation and worker placement, without servers."""
+"""The router's parts that need no servers: request validation, worker placement, the worker pool."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 from tandem.v1 import api_pb2, worker_pb2
 
 from router.placement import NoCapacity, choose, choose_decode, ring_owner
+from router.pool import WorkerPool
 from router.validate import InvalidRequest, Limits, validate
 
 LIMITS = Limits(context_length=100, vocab_size=500, max_stop_strings=2)
@@ -103,3 +104,18 @@ def test_consistent_hashing_moves_few_keys_when_a_worker_joins():
     assert all(after[k] == "d" for k in before if before[k] != after[k])
     assert moved < 0.4 * len(keys)
     assert len(set(before.values())) == 3
+
+
+def test_pool_rediscovers_on_demand_between_refreshes():
+    """A router that finds no decode worker with room asks discovery again at once: a worker added
+    since the last refresh is placed on instead of the request being refused."""
+    found = {"decode-0": "127.0.0.1:1"}
+    pool = WorkerPool(lambda: dict(found), refresh_s=3600)
+    try:
+        assert set(pool.workers()) == {"decode-0"}
+        found["decode-1"] = "127.0.0.1:2"
+        assert set(pool.workers()) == {"decode-0"}, "within refresh_s the list is reused"
+        pool.rediscover()
+        assert set(pool.workers()) == {"decode-0", "decode-1"}
+    finally:
+        pool.close()

@@ -90,6 +90,26 @@ def test_greedy_speculation_equals_plain_decoding_in_a_mixed_batch_under_preempt
         assert f.num_accepted_tokens <= f.num_draft_tokens
 
 
+@pytest.mark.slow
+def test_compiled_speculation_equals_plain_decoding(demo):
+    """Verification passes and the draft model's passes through compiled graphs (each new token a
+    decode row), under preemption: the tokens of eager plain decoding."""
+    model, tok = demo
+    requests = demo_requests(tok, 12, seed=5)
+    plain, _ = run(Engine(model, tok, ROOMY, BATCHING), requests)
+    config = SpeculativeConfig(method="draft", num_tokens=4, draft_model=DRAFT, draft_memory_gib=0.01)
+    proposer = build_proposer(config, model, TIGHT.block_size, compile_buckets=(8,))
+    engine = Engine(
+        model, tok, TIGHT, BATCHING, compile_buckets=(8, 24), proposer=proposer, num_speculative_tokens=4
+    )  # fmt: skip
+    tokens, finals = run(engine, requests)
+    assert tokens == plain
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert sum(f.num_accepted_tokens for f in finals.values()) > 10
+    assert isinstance(proposer, DraftProposer) and proposer.compiled is not None
+    assert engine.runner.compiled.steps > 0 and proposer.compiled.steps > 0
+
+
 def test_draft_proposer_frees_its_blocks_and_the_engine_trims_rejected_ones(demo):
     model, tok = demo
     requests = demo_requests(tok, 8, seed=3)

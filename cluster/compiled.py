@@ -1,17 +1,18 @@
-"""Decode steps through `torch.compile`, one graph per batch-size bucket.
+"""Decode steps through `torch.compile`, one graph per bucket of decode rows.
 
-Eager decode at small batch is bound by kernel choice and dispatch, not by memory: torch's one-row
-matrix products read weights at a fraction of the machine's bandwidth, and a 30-layer step issues
-hundreds of small ops. Inductor in `max-autotune` mode with frozen weights picks its own GEMM
-kernels for these shapes and fuses the element-wise work between them; paged attention stays one
-opaque custom op (`tandem::paged_attention`) whose context-length dimensions are dynamic.
+Eager decode at small batch is bound by per-op dispatch: a 30-layer step issues hundreds of small
+ops. Inductor in `max-autotune` mode with frozen weights fuses the element-wise work between the
+matrix products into a few loops; on CPU the few-row products (`tandem_cpu::skinny_linear`) and
+decode attention (`tandem_cpu::decode_attention`, whose context-length dimensions are dynamic) are
+opaque calls inside the graph.
 
-A decode step of `n` sequences is padded to the smallest compiled bucket >= n. Padding rows are
-dummy one-token sequences that write to and read from a scratch block nobody owns. Each bucket
-compiles on its first use (or in `warm_up`), which costs seconds to minutes at start-up. Once
-`warm_up` has compiled every bucket, calls evaluate only the guards that tell the buckets apart
-(`skip_guard_eval_unsafe`): the weights are frozen and nothing else can change, and checking the
-hundreds of guards on them cost half a millisecond per step.
+A step of `n` decode rows (one per sequence, or one per new token where a sequence verifies a draft
+or catches up: `attention.as_decode_rows`) is padded to the smallest compiled bucket >= n. Padding
+rows are dummy one-token sequences that write to and read from a scratch block nobody owns. Each
+bucket compiles on its first use (or in `warm_up`), which costs seconds to minutes at start-up.
+Once `warm_up` has compiled every bucket, calls evaluate only the guards that tell the buckets (and
+the models) apart (`skip_guard_eval_unsafe`): the weights are frozen and nothing else can change,
+and checking the hundreds of guards on them cost half a millisecond per step.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class CompiledDecode:
         self.scratch_block = scratch_block
         self.steps = 0  # decode steps served by a compiled graph
         self._warm = False  # every bucket compiled
-        # One graph per bucket; keep dynamo from falling back to eager past its default limit.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
+        # One graph per bucket and model (every instance compiles the same function); keep dynamo
+        # from falling back to eager past its limit.
+        torch._dynamo.config.recompile_limit += 2 * len(self.buckets)
         self._forward = torch.compile(self._logits, mode="max-autotune", fullgraph=True, dynamic=False)
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -48,7 +50,7 @@ class CompiledDecode:
         return batch <= self.buckets[-1]
 
     def __call__(self, input_ids: Sequence[int], chunks: Sequence[SeqChunk], kv_cache: KVCache) -> torch.Tensor:
-        """Logits [len(chunks), vocab] (float32) for a decode-only step."""
+        """Logits [len(chunks), vocab] (float32) for a step of decode rows (one new token each)."""
         n = len(chunks)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         padding = [SeqChunk((self.scratch_block,), 0, 1)] * (bucket - n)

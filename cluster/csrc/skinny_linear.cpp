@@ -1,0 +1,141 @@
+// Products of a few rows with a weight matrix, y = x @ W^T, on CPU: decode's matrix products.
+//
+// With one to eight rows a product is bound by reading the weights, not by arithmetic, and torch's
+// GEMM kernels read them at a fraction of the machine's bandwidth (`benchmarks/decode_roofline.py`).
+// Here each thread streams its own contiguous range of weight rows once, converts them to float32 in
+// registers, and accumulates every input row against them, so a step with eight rows (a batch of
+// eight, or one sequence verifying seven draft tokens) reads the weights as often as a step with one.
+// Several weight rows are in flight at a time to keep independent accumulator chains busy.
+//
+// The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/cpu_kernels.py` defines,
+// builds and loads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using tandem::widen;
+#if defined(__AVX512F__)
+using tandem::load16;
+#endif
+
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMinTaskBytes = 32 * 1024;  // weight bytes per thread below which forking costs more
+
+// y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), with x in float32, `Rows` rows of length k;
+// accumulated in float32, stored in the weights' dtype.
+template <int Rows, typename W>
+void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, W* y, int64_t ldy) {
+#if defined(__AVX512F__)
+  if (k % 16 == 0) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const W* row = w + n * k;
+      __m512 acc[Rows];
+      for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < k; c += 16) {
+        const __m512 wv = load16(row + c);
+        for (int m = 0; m < Rows; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + c), wv, acc[m]);
+      }
+      for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<W>(_mm512_reduce_add_ps(acc[m]));
+    }
+    return;
+  }
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int m = 0; m < Rows; ++m) {
+      float s = 0.f;
+      for (int64_t c = 0; c < k; ++c) s += x[m * k + c] * widen(w[n * k + c]);
+      y[m * ldy + n] = static_cast<W>(s);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The same with bfloat16 rows and weights: each instruction multiplies 32 pairs and adds them in
+// pairs into 16 float32 lanes, half the arithmetic of widening first (which more rows need).
+template <int Rows>
+void product_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, int64_t n0, int64_t n1,
+                  c10::BFloat16* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const c10::BFloat16* row = w + n * k;
+    __m512 acc[Rows];
+    for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + c);
+      for (int m = 0; m < Rows; ++m)
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * k + c), wv);
+    }
+    for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+  }
+}
+#endif
+
+// Calls `body` with the row count as a compile-time constant.
+template <typename Body>
+void with_rows(int64_t rows, Body&& body) {
+  switch (rows) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 3: return body(std::integral_constant<int, 3>{});
+    case 4: return body(std::integral_constant<int, 4>{});
+    case 5: return body(std::integral_constant<int, 5>{});
+    case 6: return body(std::integral_constant<int, 6>{});
+    case 7: return body(std::integral_constant<int, 7>{});
+    case 8: return body(std::integral_constant<int, 8>{});
+  }
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "skinny_linear takes x [rows, k] and weight [n, k]");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear runs on CPU tensors");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear takes at most ", kMaxRows, " rows, not ", x.size(0));
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / std::max<int64_t>(1, k * w.element_size()));
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16 && k % 32 == 0) {
+    const at::Tensor xc = x.contiguous();
+    const auto* xp = xc.data_ptr<c10::BFloat16>();
+    const auto* wp = w.data_ptr<c10::BFloat16>();
+    auto* yp = y.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      with_rows(rows, [&](auto r) { product_bf16<decltype(r)::value>(xp, wp, k, n0, n1, yp, n); });
+    });
+    return y;
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      with_rows(rows, [&](auto r) { product<decltype(r)::value>(xp, wp, k, n0, n1, yp, n); });
+    });
+  };
+  switch (weight.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "skinny_linear takes float32, bfloat16 or float16 weights");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
