@@ -159,12 +159,45 @@ void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float*
     }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on sixteen lanes: the same polynomial, 2^n applied by scaling.
+inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 // scores[0, n) -> exp(score - max), in place; leaves the max and the sum of the exponentials.
 inline void exponentiate(float* scores, int64_t n, float* top, float* sum) {
   float t = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) t = std::max(t, scores[i]);
   float total = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vt = _mm512_set1_ps(t);
+  for (; i + 16 <= n; i += 16) vt = _mm512_max_ps(vt, _mm512_loadu_ps(scores + i));
+  t = _mm512_reduce_max_ps(vt);
+  for (int64_t j = i; j < n; ++j) t = std::max(t, scores[j]);
+  const __m512 top16 = _mm512_set1_ps(t);
+  __m512 vsum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + i), top16));
+    _mm512_storeu_ps(scores + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  total = _mm512_reduce_add_ps(vsum);
+#else
+  for (int64_t j = 0; j < n; ++j) t = std::max(t, scores[j]);
+#endif
+  for (; i < n; ++i) {
     scores[i] = exp_nonpositive(scores[i] - t);
     total += scores[i];
   }
