@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from cluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
 from cluster.loader import load_model  # noqa: E402
 from cluster.request import SamplingParams  # noqa: E402
-from cluster.speculative import DraftProposer, build_proposer  # noqa: E402
+from cluster.speculative import build_proposer  # noqa: E402
 from cluster.tokenizer import Tokenizer  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
 
@@ -77,10 +77,7 @@ def engine(model, tok: Tokenizer, method: str, k: int, compiled: bool) -> Engine
         model, tok, cache, SchedulerConfig(max_num_seqs=16), compile_buckets=buckets, proposer=proposer,
         num_speculative_tokens=k,
     )  # fmt: skip
-    if compiled:
-        eng.runner.compiled.warm_up(eng.kv_cache)
-        if isinstance(proposer, DraftProposer) and proposer.compiled is not None:
-            proposer.compiled.warm_up(proposer.kv_cache)
+    eng.warm_up()
     return eng
 
 

@@ -48,6 +48,18 @@ class ModelConfig(_Part):
         default=True,
         description="With weight_dtype int8/int4: quantise the LM head too (a decode step reads it whole).",
     )
+    compile_buckets: tuple[int, ...] = Field(
+        default=(),
+        description="Decode workers: row counts (sequences, plus draft tokens to verify) of the steps compiled with "
+        "torch.compile before the worker serves, e.g. [1, 2, 4, 8, 16, 32, 64]; a step is padded to the next one. "
+        "Seconds to minutes of start-up per bucket; empty: every step runs eager.",
+    )
+
+    @model_validator(mode="after")
+    def _buckets_positive(self) -> ModelConfig:
+        if any(b < 1 for b in self.compile_buckets):
+            raise ValueError(f"compile_buckets must be positive, not {list(self.compile_buckets)}")
+        return self
 
     @property
     def served_name(self) -> str:

@@ -1,12 +1,16 @@
 """CPU kernels torch lacks, built from `cluster/csrc/` on first use.
 
-`decode_attention` is paged attention for decode rows: every cached key and value is read once, in
-place, through the block table (torch's paths either gather the cache into a copy first or, under
-`torch.compile`, spend most of their time on per-element index arithmetic). The source is compiled
-with the machine's own C++ compiler through `torch.utils.cpp_extension`, once per source version
-(cached under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), for the CPU it runs
-on. Where it cannot be built (no compiler, `TANDEM_CPU_KERNELS=0`) callers keep torch's path; the
-outputs agree to float32 rounding.
+- `skinny_linear` multiplies a few rows (up to `SKINNY_MAX_ROWS`) by a weight matrix, streaming
+  each weight row once for all of them: decode's products, which torch's GEMM kernels run at a
+  fraction of the memory bandwidth.
+- `decode_attention` is paged attention for decode rows: every cached key and value is read once,
+  in place, through the block table (torch's paths either gather the cache into a copy first or,
+  under `torch.compile`, spend most of their time on per-element index arithmetic).
+
+The sources are compiled with the machine's own C++ compiler through `torch.utils.cpp_extension`,
+once per source version (cached under `TORCH_EXTENSIONS_DIR`, by default
+`~/.cache/torch_extensions`), for the CPU it runs on. Where they cannot be built (no compiler,
+`TANDEM_CPU_KERNELS=0`) callers keep torch's paths; the outputs agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -66,7 +70,11 @@ _library.define(
 
 
 _library.define("skinny_linear(Tensor x, Tensor weight) -> Tensor")
-SKINNY_MAX_ROWS = 8  # the most rows `skinny_linear` takes
+SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
+# Up to how many rows `skinny_linear` is used: it beats torch's GEMM on the CPUs measured
+# (`benchmarks/skinny_linear.py`) at every row count in float32, and in bfloat16 up to about 24 rows,
+# where oneDNN's kernels, bound by arithmetic rather than by reading weights, overtake it.
+SKINNY_ROWS = {torch.float32: SKINNY_MAX_ROWS, torch.bfloat16: 16, torch.float16: 16}
 
 
 @torch.library.register_fake("tandem_cpu::decode_attention")

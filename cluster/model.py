@@ -32,20 +32,20 @@ class Linear(nn.Linear):
 
     Decode multiplies one row per sequence (or per verified draft token) by every weight matrix, so
     a step is bound by reading the weights, and torch's GEMM kernels read them at a fraction of the
-    bandwidth. Up to `cpu_kernels.SKINNY_MAX_ROWS` rows go through `tandem_cpu::skinny_linear`,
+    bandwidth. Up to `cpu_kernels.SKINNY_ROWS[dtype]` rows go through `tandem_cpu::skinny_linear`,
     eager and compiled, which reads each weight row once for all of them. Where that kernel cannot be
     built, compiled products with one or two rows are written as `(x * W).sum(-1)`, which inductor
     turns into one loop over the weight rows.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else -1
-        if not 0 < rows <= cpu_kernels.SKINNY_MAX_ROWS or self.weight.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        if x.dtype == self.weight.dtype and not x.requires_grad and cpu_kernels.available():
+        rows = x.shape[0] if x.dim() == 2 else 0
+        on_cpu = rows > 0 and self.weight.device.type == "cpu" and x.dtype == self.weight.dtype
+        few = on_cpu and not x.requires_grad and rows <= cpu_kernels.SKINNY_ROWS.get(x.dtype, 0)
+        if few and cpu_kernels.available():
             y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
             return y if self.bias is None else y + self.bias
-        if rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():
+        if not on_cpu or rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         # float32 row times bfloat16 weight: the widening happens inside the fused loop. An explicit
         # `weight.float()` would be folded into a float32 copy of the weights, doubling the bytes read.

@@ -111,6 +111,11 @@ class DraftProposer:
         self.sampler = sampler
         self._states: dict[str, _DraftState] = {}
 
+    def warm_up(self) -> None:
+        """Compiles the draft model's buckets now (when it has them)."""
+        if self.compiled is not None:
+            self.compiled.warm_up(self.kv_cache)
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int], rows_for: RowsFor) -> list[Draft]:
         live: list[tuple[int, Request, int]] = []  # (index, request, k) of requests that get a draft

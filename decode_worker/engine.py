@@ -34,7 +34,7 @@ from cluster.model import CausalLM
 from cluster.model_runner import ModelRunner, num_kv_blocks
 from cluster.request import Request, SamplingParams, ScheduledChunk, StepPlan
 from cluster.sampler import Draft, Sampler, SampleRow, TokenLogprob
-from cluster.speculative import Proposer
+from cluster.speculative import DraftProposer, Proposer
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
 from decode_worker.scheduler import Scheduler
@@ -107,6 +107,14 @@ class Engine:
         self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+
+    def warm_up(self) -> None:
+        """Compiles every decode bucket now (the target's, and the draft model's when it has its
+        own), so that no request waits for a compile; nothing to do without buckets."""
+        if self.runner.compiled is not None:
+            self.runner.compiled.warm_up(self.kv_cache)
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.warm_up()
 
     @property
     def has_unfinished(self) -> bool:

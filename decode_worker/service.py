@@ -325,10 +325,12 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
     tokenizer = Tokenizer(m.path)
     spec = config.speculative
+    proposer = build_proposer(spec, model, config.cache.block_size, m.seed, m.compile_buckets)
     engine = Engine(
         model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
-        proposer=build_proposer(spec, model, config.cache.block_size, m.seed), num_speculative_tokens=spec.num_tokens,
+        compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
     )  # fmt: skip
+    engine.warm_up()
     t = config.transfer
     secret = config.auth.cluster_secret
     intake = KVIntake(

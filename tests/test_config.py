@@ -62,6 +62,7 @@ def test_defaults_and_freezing():
         ({"model": {"path": "m"}, "prefill": {"replicas": 5}}, "prefill: Value error, replicas (5) outside"),
         ({"model": {"path": "m"}, "auth": {"tls_cert": "c.pem"}}, "auth: Value error, tls_cert and tls_key"),
         ({"model": {"path": "m"}, "router": {"port": 70000}}, "router.port"),
+        ({"model": {"path": "m", "compile_buckets": [1, 0]}}, "model: Value error, compile_buckets must be positive"),
     ],
 )
 def test_bad_field_is_named(data, named):

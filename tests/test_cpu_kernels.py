@@ -16,7 +16,7 @@ from cluster.attention import (
     paged_attention,
     quantize_rows,
 )
-from cluster.cpu_kernels import SKINNY_MAX_ROWS
+from cluster.cpu_kernels import SKINNY_MAX_ROWS, SKINNY_ROWS
 from cluster.model import Linear
 
 BLOCK = 8
@@ -102,10 +102,11 @@ def _weights(n: int, k: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.T
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 40)])
 def test_skinny_linear_equals_f_linear(dtype, n, k):
-    """Every row count, vector widths (96, 576: the bfloat16 pair path too) and a scalar one (40),
-    a weight split across threads (300 rows) and one too small to split."""
+    """Every row count of one group of eight, several groups (and a part of one), vector widths (96,
+    576: the bfloat16 pair path too) and a scalar one (40), weights split across threads and tiles
+    (300 rows) and too small to split."""
     x, w = _weights(n, k, dtype)
-    for rows in range(1, SKINNY_MAX_ROWS + 1):
+    for rows in [*range(1, 9), 12, 17, SKINNY_MAX_ROWS]:
         got = torch.ops.tandem_cpu.skinny_linear(x[:rows], w)
         expected = F.linear(x[:rows].float(), w.float())
         assert got.dtype == dtype and got.shape == (rows, n)
@@ -115,17 +116,17 @@ def test_skinny_linear_equals_f_linear(dtype, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_linear_row_results_do_not_depend_on_their_company(dtype):
-    """A row's product is bit for bit the same alone or beside seven others: a token verified in a
+    """A row's product is bit for bit the same alone or beside any others: a token verified in a
     draft scores exactly as it would decoding alone."""
     x, w = _weights(300, 576, dtype)
     together = torch.ops.tandem_cpu.skinny_linear(x, w)
-    for i in range(SKINNY_MAX_ROWS):
+    for i in range(0, SKINNY_MAX_ROWS, 7):
         assert torch.equal(torch.ops.tandem_cpu.skinny_linear(x[i : i + 1], w)[0], together[i])
 
 
 def test_skinny_linear_refuses_what_it_cannot_do():
     x, w = _weights(40, 96, torch.float32)
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
+    with pytest.raises(RuntimeError, match=f"at most {SKINNY_MAX_ROWS} rows"):
         torch.ops.tandem_cpu.skinny_linear(torch.cat([x, x[:1]]), w)
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.tandem_cpu.skinny_linear(x.bfloat16(), w)
@@ -145,15 +146,16 @@ def _layer(dtype: torch.dtype) -> Linear:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernels", [True, False], ids=["skinny-kernel", "no-kernels"])
 def test_linear_few_row_products_equal_f_linear(dtype, kernels, monkeypatch):
-    """`Linear`, eager and compiled, from one row to past the kernel's limit; without the kernels,
-    compiled one- and two-row products are reductions and the rest stay GEMMs."""
+    """`Linear`, eager and compiled, from one row to past the rows the kernel is used for; without
+    the kernels, compiled one- and two-row products are reductions and the rest stay GEMMs."""
     if not kernels:
         monkeypatch.setitem(cpu_kernels._state, "loaded", False)
         torch._dynamo.reset()  # graphs traced with the kernels available took that as a constant
     layer = _layer(dtype)
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     gen = torch.Generator().manual_seed(2)
-    for rows in (1, 2, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+    used = SKINNY_ROWS[dtype]
+    for rows in sorted({1, 2, 3, used, used + 1}):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         with torch.inference_mode():
             expected = F.linear(x, layer.weight, layer.bias)

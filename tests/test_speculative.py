@@ -110,6 +110,35 @@ def test_compiled_speculation_equals_plain_decoding(demo):
     assert engine.runner.compiled.steps > 0 and proposer.compiled.steps > 0
 
 
+@pytest.mark.slow
+def test_a_decode_worker_with_compile_buckets_compiles_them_before_serving(demo):
+    """`model.compile_buckets` in a deployment's config: the decode worker's target and draft graphs
+    are compiled when the worker is built, and its steps then run through them."""
+    from cluster.config import parse_config
+    from decode_worker import service
+
+    config = parse_config({
+        "model": {"path": str(DEMO), "dtype": "float32", "compile_buckets": [8]},
+        "cache": {"block_size": 4, "num_blocks": 400},
+        "speculative": {"method": "draft", "draft_model": str(DRAFT), "draft_memory_gib": 0.01, "num_tokens": 3},
+    })  # fmt: skip
+    worker = service.from_config(config, "decode-0")
+    try:
+        engine = worker.engine
+        proposer = engine.proposer
+        assert isinstance(proposer, DraftProposer) and proposer.compiled is not None
+        assert engine.runner.compiled is not None and engine.runner.compiled.buckets == [8]
+        warm_steps = engine.runner.compiled.steps, proposer.compiled.steps
+        assert warm_steps == (1, 1), "one warm-up step per bucket, before any request"
+        model, tok = demo
+        requests = demo_requests(tok, 4, seed=9)
+        plain, _ = run(Engine(model, tok, ROOMY, BATCHING), requests)
+        assert run(engine, requests)[0] == plain
+        assert engine.runner.compiled.steps > warm_steps[0] and proposer.compiled.steps > warm_steps[1]
+    finally:
+        worker.telemetry.shutdown()
+
+
 def test_draft_proposer_frees_its_blocks_and_the_engine_trims_rejected_ones(demo):
     model, tok = demo
     requests = demo_requests(tok, 8, seed=3)

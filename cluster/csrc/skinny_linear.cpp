@@ -28,7 +28,9 @@ using tandem::widen;
 using tandem::load16;
 #endif
 
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 64;
+constexpr int kGroupRows = 8;                  // input rows accumulated against a weight row together
+constexpr int64_t kTileBytes = 32 * 1024;      // weight rows a group pass covers, then re-read from cache
 constexpr int64_t kMinTaskBytes = 32 * 1024;  // weight bytes per thread below which forking costs more
 
 // y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), with x in float32, `Rows` rows of length k;
@@ -94,6 +96,18 @@ void with_rows(int64_t rows, Body&& body) {
   }
 }
 
+// Over weight rows [n0, n1): a tile of weight rows at a time, every group of up to eight input
+// rows against it, so the tile comes from memory once and from cache for the other groups.
+// `group(rows, first_row, t0, t1)` computes one group (rows as a compile-time constant).
+template <typename Group>
+void tiled(int64_t rows, int64_t n0, int64_t n1, int64_t tile, Group&& group) {
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m = 0; m < rows; m += kGroupRows)
+      with_rows(std::min<int64_t>(kGroupRows, rows - m), [&](auto r) { group(r, m, t0, t1); });
+  }
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear takes x [rows, k] and weight [n, k]");
@@ -104,7 +118,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / std::max<int64_t>(1, k * w.element_size()));
+  const int64_t row_bytes = std::max<int64_t>(1, k * w.element_size());
+  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
 #if defined(__AVX512BF16__)
   if (w.scalar_type() == at::kBFloat16 && k % 32 == 0) {
     const at::Tensor xc = x.contiguous();
@@ -112,7 +128,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
     const auto* wp = w.data_ptr<c10::BFloat16>();
     auto* yp = y.data_ptr<c10::BFloat16>();
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      with_rows(rows, [&](auto r) { product_bf16<decltype(r)::value>(xp, wp, k, n0, n1, yp, n); });
+      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+        product_bf16<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
+      });
     });
     return y;
   }
@@ -124,7 +142,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      with_rows(rows, [&](auto r) { product<decltype(r)::value>(xp, wp, k, n0, n1, yp, n); });
+      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+        product<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
+      });
     });
   };
   switch (weight.scalar_type()) {

@@ -1,0 +1,115 @@
+"""Few-row products: `tandem_cpu::skinny_linear` against torch's `F.linear`, side by side in one run.
+
+    .venv/bin/python benchmarks/skinny_linear.py [--layers 8] [--threads 2]
+
+The weights of `--layers` layers of the `smollm-135m` preset (the fused q/k/v, output, gate/up and
+down projections: 3.5M parameters a layer, more than the last-level cache holds at 8 layers), in
+float32 and bfloat16. For each row count from 1 to 64, both kernels run every matrix once, repeats
+interleaved; the median time gives the weight bytes read per second, the arithmetic rate and the
+ratio. This is where `cluster.cpu_kernels.SKINNY_ROWS` comes from: the row counts up to which the
+kernel is used. Prints a table, writes `benchmarks/results/skinny_linear.{json,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster import cpu_kernels  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results"
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # smollm-135m: qkv, o, gate_up, down
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def products(op, xs: dict[int, torch.Tensor], weights: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+    """Runs `op(x, w)` for every weight matrix, with the input rows of its width."""
+    return lambda: [op(xs[w.shape[1]], w) for w in weights]
+
+
+def median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        sys.exit("the CPU kernels could not be built (see the warning above)")
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    rows_out = []
+    print(f"{'dtype':9} {'rows':>4} {'skinny GB/s':>11} {'GFLOP/s':>8} {'F.linear GB/s':>13} {'GFLOP/s':>8} ratio")
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(args.layers) for n, k in SHAPES]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        params = sum(w.numel() for w in weights)
+        for rows in ROWS:
+            xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in SHAPES}
+            ts, tt = [], []
+            for _ in range(3):  # interleaved rounds, so drift hits both alike
+                ts.append(median_time(products(torch.ops.tandem_cpu.skinny_linear, xs, weights), args.repeats // 3))
+                tt.append(median_time(products(F.linear, xs, weights), args.repeats // 3))
+            t_s, t_t = statistics.median(ts), statistics.median(tt)
+            r = {"dtype": str(dtype).removeprefix("torch."), "rows": rows,
+                 "skinny_GBps": nbytes / t_s / 1e9, "skinny_GFLOPs": 2 * rows * params / t_s / 1e9,
+                 "torch_GBps": nbytes / t_t / 1e9, "torch_GFLOPs": 2 * rows * params / t_t / 1e9,
+                 "ratio": t_t / t_s}  # fmt: skip
+            rows_out.append(r)
+            print(
+                f"{r['dtype']:9} {rows:>4} {r['skinny_GBps']:>11.1f} {r['skinny_GFLOPs']:>8.0f} "
+                f"{r['torch_GBps']:>13.1f} {r['torch_GFLOPs']:>8.0f} {r['ratio']:>5.2f}x"
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"layers": args.layers, "shapes": SHAPES, "threads": args.threads, "used_up_to": {
+        str(k).removeprefix("torch."): v for k, v in cpu_kernels.SKINNY_ROWS.items()}}  # fmt: skip
+    (args.out / "skinny_linear.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
+    plot(rows_out, args.out / "skinny_linear.png")
+    print(f"wrote {args.out / 'skinny_linear.json'} and .png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for dtype, style in (("float32", "--"), ("bfloat16", "-")):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        xs = [r["rows"] for r in mine]
+        axes[0].plot(xs, [r["skinny_GBps"] for r in mine], style, marker="o", label=f"skinny_linear {dtype}")
+        axes[0].plot(xs, [r["torch_GBps"] for r in mine], style, marker="x", label=f"F.linear {dtype}")
+        axes[1].plot(xs, [r["ratio"] for r in mine], style, marker="o", label=dtype)
+    axes[0].set(title="weight bytes read per second", xlabel="rows", ylabel="GB/s", xscale="log", xticks=ROWS)
+    axes[1].set(title="skinny_linear speed-up over F.linear", xlabel="rows", xscale="log", xticks=ROWS)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    for ax in axes:
+        ax.set_xticklabels([str(r) for r in ROWS])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
