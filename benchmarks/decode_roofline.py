@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/decode_roofline.py [--quick] [--device cuda]
 
 1. Floors of this machine, measured now: memory read bandwidth (a large float32 `sum`) and the
-   matrix-multiply rate in the model's dtype.
+   matrix-multiply rate in the model's dtype. The bandwidth drifts during a run on a shared
+   machine, so it is measured again between the repeats of every step timed, and each row's
+   roofline is the bandwidth measured beside it.
 2. For the `smollm-135m` preset (random weights) in float32 and bfloat16, with a 512-token context:
    Tandem's decode step at batch 1, 4, 16 and 64 — bytes each step must read (weights + KV cache),
    achieved bandwidth and fraction of the roofline — and transformers' `generate` per-token time at
@@ -65,8 +67,18 @@ def timed(fn: Callable[[], object], device: str, repeat: int, warmup: int = 2) -
     return times
 
 
+_PROBES: dict[str, torch.Tensor] = {}
+
+
+def _probe(device: str) -> torch.Tensor:
+    """A float32 tensor far larger than the caches, summed to measure memory read bandwidth."""
+    if device not in _PROBES:
+        _PROBES[device] = torch.ones(256 * 2**20 // 4 * (8 if device == "cuda" else 1), device=device)
+    return _PROBES[device]
+
+
 def measure_bandwidth(device: str) -> float:
-    x = torch.ones(256 * 2**20 // 4 * (8 if device == "cuda" else 1), dtype=torch.float32, device=device)
+    x = _probe(device)
     times = timed(lambda: x.sum(), device, repeat=15)
     return x.numel() * 4 / statistics.median(times)
 
@@ -103,11 +115,20 @@ def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
     return StepPlan(tuple(chunks))
 
 
-def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> float:
+def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tuple[float, float]:
+    """The median decode step time, and the median memory read bandwidth measured between the steps:
+    the roofline of this row (the machine's bandwidth drifts during a run, from 25 to 80 GB/s here)."""
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
     rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, None)
             for c in plan.chunks]  # fmt: skip
-    return statistics.median(timed(lambda: engine.runner.execute(plan, rows), device, repeat))
+    probe = _probe(device)
+    steps: list[float] = []
+    sums: list[float] = []
+    timed(lambda: engine.runner.execute(plan, rows), device, repeat=0)  # warm-up only
+    for _ in range(repeat):
+        steps += timed(lambda: engine.runner.execute(plan, rows), device, repeat=1, warmup=0)
+        sums += timed(lambda: probe.sum(), device, repeat=1, warmup=0)
+    return statistics.median(steps), probe.numel() * 4 / statistics.median(sums)
 
 
 class _TokenClock:
@@ -177,7 +198,6 @@ def dtype_section(
     folder: Path,
     dtype_name: str,
     device: str,
-    bandwidth: float,
     batches: list[int],
     repeat: int,
     quick: bool,
@@ -205,20 +225,21 @@ def dtype_section(
         f"{compile_s:.0f} s"
     )
     print(
-        f"{'what':<28}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'roofline':>10}{'GFLOP/s':>9}"
+        f"{'what':<28}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}{'GFLOP/s':>9}"
         f"{'of matmul':>10}"
     )
     for batch in batches:
         nbytes, flops = step_bytes(model, batch, CONTEXT)
         for name, engine in (("tandem eager", eager), ("tandem compiled", compiled)):
-            t = tandem_step_time(engine, batch, device, repeat)
-            runs.append(_record(name, dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
-            _row(f"{name} decode step", batch, t, nbytes, flops, bandwidth, matmul)
+            t, bw = tandem_step_time(engine, batch, device, repeat)
+            runs.append(_record(name, dtype_name, batch, t, nbytes, flops, bw, matmul))
+            _row(f"{name} decode step", batch, t, nbytes, flops, bw, matmul)
     for batch in [1, 16] if not quick else [1]:
         t = hf_token_time(hf, batch, device, new_tokens=8 if quick else 16)
+        bw = measure_bandwidth(device)
         nbytes, flops = step_bytes(model, batch, CONTEXT)
-        runs.append(_record("transformers", dtype_name, batch, t, nbytes, flops, bandwidth, matmul))
-        _row("transformers generate", batch, t, nbytes, flops, bandwidth, matmul)
+        runs.append(_record("transformers", dtype_name, batch, t, nbytes, flops, bw, matmul))
+        _row("transformers generate", batch, t, nbytes, flops, bw, matmul)
     requests = mixed_requests(16 if quick else 64, model.arch.vocab_size, scale=0.25 if quick else 1.0)
     ours = engine_throughput(compiled, requests)
     theirs = hf_static_throughput(hf, requests, device)
@@ -255,10 +276,10 @@ def main() -> None:
                      "bandwidth_GBps": bandwidth / 1e9, "runs": []}  # fmt: skip
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)")
     for dtype_name in [] if args.quant_only else args.dtypes.split(","):
-        results["runs"] += dtype_section(folder, dtype_name, device, bandwidth, batches, repeat, args.quick, results)
+        results["runs"] += dtype_section(folder, dtype_name, device, batches, repeat, args.quick, results)
 
     if device == "cpu":
-        results["quantised"] = quantised(folder, bandwidth, [1, 4] if args.quick else [1, 16], repeat)
+        results["quantised"] = quantised(folder, [1, 4] if args.quick else [1, 16], repeat)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
@@ -277,13 +298,14 @@ QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
 )
 
 
-def quantised(folder: Path, bandwidth: float, batches: list[int], repeat: int) -> list[dict]:
+def quantised(folder: Path, batches: list[int], repeat: int) -> list[dict]:
     """Section 4: each setting's compiled decode step against the bfloat16 one, same run."""
     from cluster.attention import kv_row_bytes
     from cluster.quant import weight_bytes
 
     print(f"\nfewer bytes per token (bfloat16 activations, compiled decode, {CONTEXT}-token context)")
-    print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'roofline':>10}{'vs bf16':>9}")
+    print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}"
+          f"{'vs bf16':>9}")  # fmt: skip
     rows: list[dict] = []
     for label, weights, kv in QUANT_SETTINGS:
         torch._dynamo.reset()  # each setting compiles its own graphs
@@ -296,16 +318,16 @@ def quantised(folder: Path, bandwidth: float, batches: list[int], repeat: int) -
         compile_s = time.perf_counter() - start
         row_bytes = kv_row_bytes(arch.head_dim, 2, kv)
         for batch in batches:
-            t = tandem_step_time(engine, batch, "cpu", repeat)
+            t, bw = tandem_step_time(engine, batch, "cpu", repeat)
             kv_bytes = batch * CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
             nbytes = weight_bytes(model) + kv_bytes
             base = next((r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16"), t)
             rows.append({"setting": label, "weights": weights, "kv": kv, "batch": batch, "step_s": t,
                          "bytes": nbytes, "weight_bytes": weight_bytes(model), "kv_bytes": kv_bytes,
-                         "GBps": nbytes / t / 1e9, "roofline_frac": nbytes / t / bandwidth,
+                         "GBps": nbytes / t / 1e9, "bandwidth_GBps": bw / 1e9, "roofline_frac": nbytes / t / bw,
                          "speedup_vs_bf16": base / t, "compile_s": compile_s})  # fmt: skip
             print(f"{label:<22}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
-                  f"{nbytes / t / bandwidth:>9.0%}{base / t:>8.2f}x")  # fmt: skip
+                  f"{bw / 1e9:>8.1f}{nbytes / t / bw:>9.0%}{base / t:>8.2f}x")  # fmt: skip
         del model, engine
     return rows
 
@@ -325,13 +347,14 @@ def _record(engine: str, dtype: str, batch: int, t: float, nbytes: int, flops: i
         "bytes": nbytes,
         "flops": flops,
         "GBps": nbytes / t / 1e9,
+        "bandwidth_GBps": bandwidth / 1e9,
         "roofline_frac": nbytes / t / bandwidth,
         "compute_frac": flops / t / matmul,
     }
 
 
 def _row(what: str, batch: int, t: float, nbytes: int, flops: int, bandwidth: float, matmul: float) -> None:
-    print(f"{what:<28}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
+    print(f"{what:<28}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}{bandwidth / 1e9:>8.1f}"
           f"{nbytes / t / bandwidth:>9.0%}{flops / t / 1e9:>9.1f}{flops / t / matmul:>10.0%}")  # fmt: skip
 
 
