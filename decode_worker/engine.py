@@ -11,9 +11,10 @@ samples. The engine adds what a client sees: text deltas, stop strings, logprobs
 `RequestOutput`s. Aborting a request frees its blocks at once.
 
 With a proposer (`cluster.speculative`), each step first asks it for draft tokens for the decoding
-requests, the scheduler adds them to the plan, one eager pass scores them all, and
-`Sampler.verify` keeps what the target model agrees with: a request may gain several tokens in a
-step. Requests with and without speculation, and with different draft lengths, share a batch.
+requests, the scheduler adds them to the plan, one pass scores them all (each token a decode row,
+through a compiled graph where one fits), and `Sampler.verify` keeps what the target model agrees
+with: a request may gain several tokens in a step. Requests with and without speculation, and with
+different draft lengths, share a batch.
 
 A request with `num_beams > 1` runs beam search (`decode_worker.beam`): its beams are sequences in
 the same batch that share KV blocks, and its one output, at the end, carries every beam.
