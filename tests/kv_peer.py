@@ -10,6 +10,7 @@ as JSON. Exits non-zero if any transfer failed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
@@ -46,4 +47,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown: the work is done and reported, and a Gloo group torn down
+    # moments earlier can still be unwinding its threads, which once in a while ends the process in
+    # std::terminate ("terminate called without an active exception") during teardown.
+    os._exit(code)
