@@ -10,9 +10,10 @@ Each layer writes its new keys and values into their slots, then, per attention 
 apart from prompt chunks), attends. On CPU, decode rows go through `tandem_cpu::decode_attention`
 (`cluster/cpu_kernels.py`), which reads each cached row in place through the block table; prompt
 chunks (and decode rows where that kernel is missing) gather each sequence's blocks and run one
-masked `scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem. The metadata
-(slots, gather indices, masks) is built once per forward pass, not per layer, and no Python loop
-runs over sequences inside a layer.
+`scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem: with SDPA's
+own causal rule when every chunk is a whole prompt (starts at position 0) and no sliding window
+applies, else with a mask. The metadata (slots, gather indices, masks) is built once per forward
+pass, not per layer, and no Python loop runs over sequences inside a layer.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class AttentionGroup:
     query_index: torch.Tensor  # [T_g] row of each token in the padded [S_g * max_new] query layout
     max_new: int
     masks: dict[int | None, torch.Tensor]  # sliding window -> [S_g, 1, max_new, max_ctx] bool, True = attend
+    causal: bool = False  # every chunk starts at position 0 (whole prompts): plain causal attention
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def _group(
         m = causal if w is None else causal & (q_pos[:, :, None] - k_pos[None, None, :] < w)
         masks[w] = m.unsqueeze(1).to(device)
     index = torch.tensor(query_index, dtype=torch.long, device=device)
-    return AttentionGroup(token_index, tables.to(device), index, max_new, masks)
+    causal = max_new > 1 and all(c.num_cached == 0 for c in chunks)
+    return AttentionGroup(token_index, tables.to(device), index, max_new, masks, causal)
 
 
 def kv_row_bytes(head_dim: int, dtype_bytes: int, kv_dtype: str) -> int:
@@ -232,7 +235,8 @@ def _attend(
         # block-table gather, so each cached key is read once, in place.
         return _decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
     attend = _attend_padded if training else torch.ops.tandem.attend
-    return attend(q, k_cache, v_cache, g.block_tables, g.query_index, g.masks[window], g.max_new, scale)
+    causal = g.causal and window is None
+    return attend(q, k_cache, v_cache, g.block_tables, g.query_index, g.masks[window], g.max_new, scale, causal)
 
 
 def _decode_attention(
@@ -275,6 +279,7 @@ def _attend_padded(
     mask: torch.Tensor,  # [S, 1, max_new, ctx]
     max_new: int,
     scale: float,
+    causal: bool = False,  # every sequence's chunk starts at position 0: `mask` is plain causal
 ) -> torch.Tensor:  # [T, heads * hd]
     num_seqs = block_tables.shape[0]
     heads, head_dim = q.shape[1], q.shape[2]
@@ -290,6 +295,15 @@ def _attend_padded(
         padded = q.new_zeros(num_seqs * max_new, heads, head_dim)
         padded.index_copy_(0, query_index, q)
         padded = padded.view(num_seqs, max_new, heads, head_dim)
+    if causal:
+        # Whole prompts: SDPA's own causal rule (query i sees keys 0..i) over the first max_new
+        # positions, which lets its kernel skip the masked half instead of reading a mask. A shorter
+        # sequence's padded keys lie beyond its own queries, so they are never seen.
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), keys[:, :, :max_new], values[:, :, :max_new], is_causal=True, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(num_seqs * max_new, heads * head_dim).index_select(0, query_index)
     # Grouped-query attention without repeating keys: the query heads sharing a KV head (heads are
     # KV-head-major) become extra query rows of that head. [S, new, kv, g, hd] -> [S, kv, g * new, hd]
     grouped = padded.view(num_seqs, max_new, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
@@ -314,5 +328,5 @@ def _(k, v, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
 
 
 @_attend_op.register_fake
-def _(q, k_cache, v_cache, block_tables, query_index, mask, max_new, scale):  # type: ignore[no-untyped-def]
+def _(q, k_cache, v_cache, block_tables, query_index, mask, max_new, scale, causal=False):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -143,3 +143,25 @@ def test_decode_attention_reductions_equal_the_sdpa_path(dtype):
         got = _decode_attention(q, kv[0], kv[1], group.block_tables, group.masks[window], 0.25)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert rel_err(got.float(), expected.float()) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompts_take_the_causal_path_and_equal_the_masked_one(dtype):
+    """A group of chunks that all start at position 0 attends with SDPA's own causal rule; the
+    result equals the general masked path, prompts of different lengths padded alike. A group with
+    a chunk that does not start at 0 is not causal."""
+    from cluster.attention import _attend_padded
+
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, hd = 6, 2, 16
+    k_cache = torch.randn(20, BLOCK, kv_heads, hd, generator=gen).to(dtype)
+    v_cache = torch.randn(20, BLOCK, kv_heads, hd, generator=gen).to(dtype)
+    chunks = [SeqChunk([4, 9, 1], 0, 19), SeqChunk([7], 0, 5), SeqChunk([2, 11], 0, 12)]  # whole prompts
+    (group,) = build_attention_metadata(chunks, BLOCK).groups
+    assert group.causal
+    q = torch.randn(36, heads, hd, generator=gen).to(dtype)
+    args = (q, k_cache, v_cache, group.block_tables, group.query_index, group.masks[None], group.max_new, 0.25)
+    causal, masked = _attend_padded(*args, causal=True), _attend_padded(*args, causal=False)
+    assert rel_err(causal.float(), masked.float()) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    later = build_attention_metadata([*chunks[:2], SeqChunk([2, 11], 3, 9)], BLOCK)
+    assert not later.groups[0].causal
