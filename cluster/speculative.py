@@ -164,10 +164,10 @@ class DraftProposer:
 
     def _logits(self, ids: list[int], chunks: list[SeqChunk]) -> torch.Tensor:
         """One pass of the draft model: float32 logits [len(chunks), vocab] at each chunk's last token."""
-        rows = as_decode_rows(chunks)
-        if self.compiled is not None and self.compiled.fits(len(rows)):
-            last = list(itertools.accumulate(c.num_new for c in chunks))
-            return self.compiled(ids, rows, self.kv_cache)[[i - 1 for i in last]].cpu()
+        ends = list(itertools.accumulate(c.num_new for c in chunks))  # one past each chunk's last row
+        if self.compiled is not None and self.compiled.fits(ends[-1]):
+            logits = self.compiled(ids, as_decode_rows(chunks), self.kv_cache)
+            return logits[[end - 1 for end in ends]].cpu()
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, meta.positions, self.kv_cache, meta)
