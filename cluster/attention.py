@@ -8,11 +8,12 @@ the block manager and the wire).
 
 Each layer writes its new keys and values into their slots, then, per attention group (decode rows
 apart from prompt chunks), attends. On CPU, decode rows go through `tandem_cpu::decode_attention`
-(`cluster/cpu_kernels.py`), which reads each cached row in place through the block table; prompt
-chunks (and decode rows where that kernel is missing) gather each sequence's blocks and run one
-`scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem: with SDPA's
-own causal rule when every chunk is a whole prompt (starts at position 0) and no sliding window
-applies, else with a mask. The metadata (slots, gather indices, masks) is built once per forward
+(`cluster/cpu_kernels.py`), which reads each cached row in place through the block table, and
+prompt chunks through `tandem_cpu::prefill_attention`, which runs each sequence at its own length.
+Elsewhere (another device, no kernels, training) the group gathers each sequence's blocks and runs
+one `scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem: with
+SDPA's own causal rule when every chunk is a whole prompt (starts at position 0) and no sliding
+window applies, else with a mask. The metadata (slots, gather indices, masks) is built once per forward
 pass, not per layer, and no Python loop runs over sequences inside a layer.
 """
 
@@ -55,6 +56,8 @@ class AttentionGroup:
     max_new: int
     masks: dict[int | None, torch.Tensor]  # sliding window -> [S_g, 1, max_new, max_ctx] bool, True = attend
     causal: bool = False  # every chunk starts at position 0 (whole prompts): plain causal attention
+    num_new: tuple[int, ...] = ()  # per sequence: tokens computed in this pass
+    num_cached: tuple[int, ...] = ()  # per sequence: positions already in the cache
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,8 @@ def _group(
         masks[w] = m.unsqueeze(1).to(device)
     index = torch.tensor(query_index, dtype=torch.long, device=device)
     causal = max_new > 1 and all(c.num_cached == 0 for c in chunks)
-    return AttentionGroup(token_index, tables.to(device), index, max_new, masks, causal)
+    num_new, num_cached = tuple(c.num_new for c in chunks), tuple(c.num_cached for c in chunks)
+    return AttentionGroup(token_index, tables.to(device), index, max_new, masks, causal, num_new, num_cached)
 
 
 def kv_row_bytes(head_dim: int, dtype_bytes: int, kv_dtype: str) -> int:
@@ -228,8 +232,12 @@ def _attend(
     window: int | None,
     training: bool,
 ) -> torch.Tensor:
-    if g.max_new == 1 and not training and q.device.type == "cpu" and cpu_kernels.available():
-        return torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
+    if not training and q.device.type == "cpu" and cpu_kernels.available():
+        if g.max_new == 1:
+            return torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
+        return torch.ops.tandem_cpu.prefill_attention(
+            q, k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, scale, window
+        )
     if g.max_new == 1 and torch.compiler.is_compiling():
         # Compiled decode: attention as plain reductions that the compiler fuses with the
         # block-table gather, so each cached key is read once, in place.

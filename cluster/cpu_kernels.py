@@ -3,6 +3,8 @@
 - `skinny_linear` multiplies a few rows (up to `SKINNY_MAX_ROWS`) by a weight matrix, streaming
   each weight row once for all of them: decode's products, which torch's GEMM kernels run at a
   fraction of the memory bandwidth.
+- `prefill_attention` is paged attention for prompt chunks: each sequence attends at its own length
+  through torch's flash kernel, where one batched call would pad every prompt to the longest.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
   in place, through the block table (torch's paths either gather the cache into a copy first or,
   under `torch.compile`, spend most of their time on per-element index arithmetic).
@@ -25,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "skinny_linear.cpp"]
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "skinny_linear.cpp"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried
 
@@ -68,7 +70,10 @@ _library.define(
     " -> Tensor"
 )
 
-
+_library.define(
+    "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, int[] num_new,"
+    " int[] num_cached, float scale, int? window) -> Tensor"
+)
 _library.define("skinny_linear(Tensor x, Tensor weight) -> Tensor")
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used: it beats torch's GEMM on the CPUs measured
@@ -79,6 +84,11 @@ SKINNY_ROWS = {torch.float32: SKINNY_MAX_ROWS, torch.bfloat16: 16, torch.float16
 
 @torch.library.register_fake("tandem_cpu::decode_attention")
 def _(q, k_cache, v_cache, block_tables, mask, scale):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.register_fake("tandem_cpu::prefill_attention")
+def _(q, k_cache, v_cache, block_tables, num_new, num_cached, scale, window):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 

@@ -91,6 +91,79 @@ def test_bad_input_is_refused_with_a_clear_error():
         torch.ops.tandem_cpu.decode_attention(q[:, :8], k_cache, v_cache, g.block_tables, g.masks[None], 0.1)
 
 
+# -- prefill_attention: prompt chunks, each at its own length ---------------------------------------
+
+
+def _prefill_case(dtype: torch.dtype, chunks: list[SeqChunk], heads: int = 9, kv_heads: int = 3, dim: int = 64):
+    """A scattered paged cache holding every position the chunks reach, and the chunks' queries."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(20, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(20, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(sum(c.num_new for c in chunks), heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, build_attention_metadata(chunks, BLOCK, frozenset({None, 6}))
+
+
+def _prefill(q, k_cache, v_cache, meta, window, scale=0.2):  # type: ignore[no-untyped-def]
+    (g,) = meta.groups
+    got = torch.ops.tandem_cpu.prefill_attention(
+        q, k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, scale, window
+    )
+    expected = _attend_padded(q.float(), k_cache.float() if k_cache.dtype != torch.uint8 else
+                              dequantize_rows(k_cache, torch.float32), v_cache.float() if v_cache.dtype != torch.uint8
+                              else dequantize_rows(v_cache, torch.float32), g.block_tables, g.query_index,
+                              g.masks[window], g.max_new, scale)  # fmt: skip
+    return got, expected
+
+
+WHOLE_PROMPTS = [SeqChunk([4, 9, 1], 0, 21), SeqChunk([7], 0, 3), SeqChunk([2, 12, 0, 16, 5], 0, 37)]
+LATER_CHUNKS = [SeqChunk([4, 9, 1], 13, 8), SeqChunk([7], 0, 5), SeqChunk([2, 12, 0, 16, 5], 30, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks", [WHOLE_PROMPTS, LATER_CHUNKS], ids=["whole prompts", "later chunks"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_attention_equals_padded_sdpa(dtype, chunks, window):
+    """Prompts of different lengths (the padded path pads them to the longest), chunks that start
+    after cached positions, with and without a sliding window, grouped query heads."""
+    got, expected = _prefill(*_prefill_case(dtype, chunks), window)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+def test_prefill_attention_reads_int8_rows_with_their_scales():
+    q, k_cache, v_cache, meta = _prefill_case(torch.float32, LATER_CHUNKS)
+    got, expected = _prefill(q, quantize_rows(k_cache), quantize_rows(v_cache), meta, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_uses_the_prefill_kernel_and_matches_torch_without_it(monkeypatch):
+    """A pass of decode rows and prompt chunks together: the same outputs with and without kernels."""
+    chunks = [SeqChunk([4, 9, 1], 13, 8), SeqChunk([3], 5, 1), SeqChunk([7], 0, 5)]
+    q, k_cache, v_cache, meta = _prefill_case(torch.float32, chunks)
+    k = torch.randn(q.shape[0], 3, 64)
+    with_kernel = paged_attention(q, k, k, (k_cache.clone(), v_cache.clone()), meta, 0.125)
+    monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+    without = paged_attention(q, k, k, (k_cache, v_cache), meta, 0.125)
+    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_refuses_bad_input():
+    q, k_cache, v_cache, meta = _prefill_case(torch.float32, WHOLE_PROMPTS)
+    (g,) = meta.groups
+    call = torch.ops.tandem_cpu.prefill_attention
+    with pytest.raises(RuntimeError, match="outside the cache's 20 blocks"):
+        call(q, k_cache, v_cache, g.block_tables + 20, g.num_new, g.num_cached, 0.1, None)
+    with pytest.raises(RuntimeError, match="adds up to 61 tokens, q has 62"):
+        call(torch.cat([q, q[:1]]), k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, 0.1, None)
+    with pytest.raises(RuntimeError, match="block table is too short"):
+        call(q, k_cache, v_cache, g.block_tables[:, :2], g.num_new, g.num_cached, 0.1, None)
+    with pytest.raises(RuntimeError, match="must hold q's dtype"):
+        call(q.bfloat16(), k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, 0.1, None)
+    with pytest.raises(RuntimeError, match="one entry per sequence"):
+        call(q, k_cache, v_cache, g.block_tables, g.num_new[:2], g.num_cached, 0.1, None)
+
+
 # -- skinny_linear: products of a few rows -------------------------------------------------------
 
 
