@@ -3,8 +3,9 @@
 - `skinny_linear` multiplies a few rows (up to `SKINNY_MAX_ROWS`) by a weight matrix, streaming
   each weight row once for all of them: decode's products, which torch's GEMM kernels run at a
   fraction of the memory bandwidth.
-- `prefill_attention` is paged attention for prompt chunks: each sequence attends at its own length
-  through torch's flash kernel, where one batched call would pad every prompt to the longest.
+- `prefill_attention` is paged attention for prompt chunks: each sequence attends at its own length,
+  where one batched call would pad every prompt to the longest; bfloat16 through a flash kernel of
+  AVX512-BF16 pair products, other dtypes through torch's flash attention.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
   in place, through the block table (torch's paths either gather the cache into a copy first or,
   under `torch.compile`, spend most of their time on per-element index arithmetic).

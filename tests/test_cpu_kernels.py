@@ -94,11 +94,13 @@ def test_bad_input_is_refused_with_a_clear_error():
 # -- prefill_attention: prompt chunks, each at its own length ---------------------------------------
 
 
-def _prefill_case(dtype: torch.dtype, chunks: list[SeqChunk], heads: int = 9, kv_heads: int = 3, dim: int = 64):
+def _prefill_case(
+    dtype: torch.dtype, chunks: list[SeqChunk], heads: int = 9, kv_heads: int = 3, dim: int = 64, blocks: int = 20
+):
     """A scattered paged cache holding every position the chunks reach, and the chunks' queries."""
     gen = torch.Generator().manual_seed(3)
-    k_cache = torch.randn(20, BLOCK, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(20, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    k_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(sum(c.num_new for c in chunks), heads, dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, build_attention_metadata(chunks, BLOCK, frozenset({None, 6}))
 
@@ -129,6 +131,21 @@ def test_prefill_attention_equals_padded_sdpa(dtype, chunks, window):
     assert got.dtype == dtype and got.shape == expected.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+# Longer than one key block (64) and one query block (32) of the bfloat16 kernel; one chunk starts
+# mid-block after cached positions, another ends one past a block.
+LONG_CHUNKS = [SeqChunk(list(range(40, 0, -1)), 70, 250), SeqChunk(list(range(41, 50)), 0, 65)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_prefill_attention_long_chunks_in_bfloat16(heads, kv_heads, dim):
+    """The bfloat16 kernel's blocks of queries and keys, several query heads per KV head or one,
+    and head dims of one and two 64-wide strips, against float32 attention on the same inputs."""
+    q, k_cache, v_cache, meta = _prefill_case(torch.bfloat16, LONG_CHUNKS, heads, kv_heads, dim, blocks=50)
+    got, expected = _prefill(q, k_cache, v_cache, meta, None)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    assert (got.float() - expected).abs().mean() < 2e-3  # bfloat16 rounding, not a wrong weight here and there
 
 
 def test_prefill_attention_reads_int8_rows_with_their_scales():

@@ -30,6 +30,7 @@ namespace {
 
 using tandem::widen;
 #if defined(__AVX512F__)
+using tandem::exp16_nonpositive;
 using tandem::load16;
 #endif
 
@@ -267,22 +268,6 @@ void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float*
     }
 }
 
-#if defined(__AVX512F__)
-// exp_nonpositive on sixteen lanes: the same polynomial, 2^n applied by scaling.
-inline __m512 exp16_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // scores[0, n) -> exp(score - max), in place; leaves the max and the sum of the exponentials.
 inline void exponentiate(float* scores, int64_t n, float* top, float* sum) {
