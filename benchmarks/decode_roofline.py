@@ -46,7 +46,7 @@ from decode_worker.engine import Engine  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CONTEXT = 512
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 
 
 def sync(device: str) -> None:

@@ -64,9 +64,9 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = self._adjust(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows])
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(r.params.greedy for r in rows):
+            greedy = torch.tensor([r.params.greedy for r in rows])
             sampled = self._draw(self._probs(logits, rows), rows)
             tokens = torch.where(greedy, tokens, sampled)
         token_ids = tokens.tolist()
@@ -170,14 +170,21 @@ class Sampler:
         return chosen, tops
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """Penalties, then the suppressed tokens at -inf (a new tensor)."""
-        logits = self._penalise(logits.clone(), rows)
+        """Penalties, then the suppressed tokens at -inf; `logits` itself is never changed (plain
+        rows, the common case, get it back as it is)."""
+        adjusted = self._penalise(logits, rows)
         for i, row in enumerate(rows):
             if row.suppressed:
-                logits[i, list(row.suppressed)] = float("-inf")
-        return logits
+                if adjusted is logits:
+                    adjusted = logits.clone()
+                adjusted[i, list(row.suppressed)] = float("-inf")
+        return adjusted
 
     def _penalise(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """Repetition, presence and frequency penalties, out of place; `logits` where none applies."""
+        if all(r.params.repetition_penalty == 1 and r.params.presence_penalty == 0 == r.params.frequency_penalty
+               for r in rows):  # fmt: skip
+            return logits
         rep = torch.tensor([r.params.repetition_penalty for r in rows])
         pres = torch.tensor([r.params.presence_penalty for r in rows])
         freq = torch.tensor([r.params.frequency_penalty for r in rows])
