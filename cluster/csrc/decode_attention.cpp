@@ -1,13 +1,12 @@
 // Paged attention for decode rows (one query per sequence) on CPU.
 //
 // A task is one part of one sequence's context (the whole context when there are enough sequences
-// to keep every thread busy). It reads each admitted position's keys and values in place through the
-// block table, sixteen positions at a time: a key row's products with each query head stay in a
-// vector until the sixteen positions' vectors are summed across together (one score lane each), and
-// the value rows are widened to float32 once for all the query heads that share them. bfloat16 keys
-// are scored by AVX512-BF16 pair products straight from the cache. Nothing is gathered into a copy
-// of the cache. The parts of a sequence are merged afterwards (split-context decoding). An int8 cache
-// row holds head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
+// to keep every thread busy). It reads each admitted position's keys, for all KV heads at once, in
+// place through the block table, scores every query head against them, then sums the values with
+// the softmax weights; rows are converted to float32 in registers and nothing is gathered into a
+// copy of the cache. bfloat16 keys are scored by AVX512-BF16 pair products on the raw rows. The
+// parts of a sequence are merged afterwards (split-context decoding). An int8 cache row holds
+// head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
 //
 // The CPU implementation of `tandem_cpu::decode_attention`, which `cluster/cpu_kernels.py` defines,
 // builds and loads.
@@ -91,22 +90,7 @@ struct Int8Rows {
 };
 
 #if defined(__AVX512F__)
-constexpr int64_t kTile = 16;  // positions widened together, one score lane each
-
-// Positions [i0, i0 + m) of KV head h, widened to float32 rows of `tile` (times an int8 row's
-// scale); the rows from m to kTile are zero. Prefetches the next tile's rows of every head.
-template <typename Rows>
-void widen_tile(const Rows& cache, const int64_t* rows, int64_t i0, int64_t m, int64_t n, int64_t h,
-                int64_t kv_heads, int64_t dim, float* tile) {
-  const int64_t chunks = dim / 16;
-  for (int64_t p = 0; p < m; ++p) {
-    if (h == 0 && i0 + kTile + p < n) prefetch_row(cache, rows[i0 + kTile + p], kv_heads * cache.stride_bytes());
-    const auto* r = cache.row(rows[i0 + p] + h);
-    const __m512 row_scale = _mm512_set1_ps(cache.scale(rows[i0 + p] + h));
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(tile + p * dim + 16 * c, _mm512_mul_ps(load16(r + 16 * c), row_scale));
-  }
-  std::fill(tile + m * dim, tile + kTile * dim, 0.f);
-}
+constexpr int64_t kTile = 16;  // positions scored together, one score lane each
 
 // Sixteen vectors -> one: lane j holds the sum of v[j]'s lanes. Pairs, then quads, are summed
 // within each 128-bit lane, then the four lanes are summed across.
@@ -123,55 +107,43 @@ inline __m512 sum16(const __m512* v) {
   const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
 }
-
-// acc[0, 16 W) += sum over the tile's positions p of probs[p] * tile row p, held in registers.
-template <int W>
-inline void accumulate_strip(const float* tile, int64_t dim, const float* probs, int64_t m, float* acc) {
-  __m512 a[W];
-  for (int c = 0; c < W; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t p = 0; p < m; ++p) {
-    const __m512 w = _mm512_set1_ps(probs[p]);
-    for (int c = 0; c < W; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(tile + p * dim + 16 * c), a[c]);
-  }
-  for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-}
 #endif
 
 #if defined(__AVX512BF16__)
 // `score` for bfloat16 keys: pair products of the raw rows (AVX512-BF16), which need no widening.
+// Each query head's product vectors of sixteen positions are summed across together (`sum16`).
 inline void score_bf16(const PlainRows<c10::BFloat16>& keys, const int64_t* rows, int64_t n, const float* qf,
                        int64_t kv_heads, int64_t groups, int64_t dim, float scale, float* scores, int64_t stride) {
   const int64_t vectors = dim / 32, heads = kv_heads * groups, position_bytes = kv_heads * keys.stride_bytes();
   std::vector<__m512bh> qb(heads * vectors);  // the queries back in bfloat16 (exact: they came from it)
   for (int64_t v = 0; v < heads * vectors; ++v)
     qb[v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 32 * v + 16), _mm512_loadu_ps(qf + 32 * v));
-  std::vector<__m512> dots(groups * kTile);
+  std::vector<__m512> dots(heads * kTile);
   __m512bh k[kMaxVectorDim / 32];
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min(kTile, n - i0);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t p = 0; p < kTile; ++p) {
-        if (p >= m) {
-          for (int64_t g = 0; g < groups; ++g) dots[g * kTile + p] = _mm512_setzero_ps();
-          continue;
-        }
-        const int64_t i = i0 + p;
-        if (h == 0 && i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
+    for (int64_t p = 0; p < kTile; ++p) {
+      if (p >= m) {
+        for (int64_t qh = 0; qh < heads; ++qh) dots[qh * kTile + p] = _mm512_setzero_ps();
+        continue;
+      }
+      const int64_t i = i0 + p;
+      if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
+      for (int64_t h = 0; h < kv_heads; ++h) {
         const c10::BFloat16* r = keys.row(rows[i] + h);
         for (int64_t v = 0; v < vectors; ++v) k[v] = (__m512bh)_mm512_loadu_si512(r + 32 * v);
-        for (int64_t g = 0; g < groups; ++g) {
-          const __m512bh* qv = &qb[(h * groups + g) * vectors];
+        for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+          const __m512bh* qv = &qb[qh * vectors];
           __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], k[0]);
           for (int64_t v = 1; v < vectors; ++v) a = _mm512_dpbf16_ps(a, qv[v], k[v]);
-          dots[g * kTile + p] = a;
+          dots[qh * kTile + p] = a;
         }
       }
-      const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
-      for (int64_t g = 0; g < groups; ++g)
-        _mm512_mask_storeu_ps(scores + (h * groups + g) * stride + i0, lanes,
-                              _mm512_mul_ps(sum16(&dots[g * kTile]), scale16));
     }
+    const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
+    for (int64_t qh = 0; qh < heads; ++qh)
+      _mm512_mask_storeu_ps(scores + qh * stride + i0, lanes, _mm512_mul_ps(sum16(&dots[qh * kTile]), scale16));
   }
 }
 #endif
@@ -192,31 +164,19 @@ void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, in
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim <= kMaxVectorDim) {
     const int64_t chunks = dim / 16, position_bytes = kv_heads * keys.stride_bytes();
-    std::vector<__m512> dots(groups * kTile);  // per query head of the group: a vector per position
     __m512 k[kMaxVectorDim / 16];
-    for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-      const int64_t m = std::min(kTile, n - i0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t p = 0; p < kTile; ++p) {
-          if (p >= m) {  // past the last position: zero lanes
-            for (int64_t g = 0; g < groups; ++g) dots[g * kTile + p] = _mm512_setzero_ps();
-            continue;
-          }
-          const int64_t i = i0 + p;
-          if (h == 0 && i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
-          const auto* r = keys.row(rows[i] + h);
-          const __m512 row_scale = _mm512_set1_ps(keys.scale(rows[i] + h) * scale);
-          for (int64_t c = 0; c < chunks; ++c) k[c] = load16(r + 16 * c);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* qv = qf + (h * groups + g) * dim;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qv), k[0]);
-            for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * c), k[c], a);
-            dots[g * kTile + p] = _mm512_mul_ps(a, row_scale);
-          }
+        const auto* r = keys.row(rows[i] + h);
+        for (int64_t c = 0; c < chunks; ++c) k[c] = load16(r + 16 * c);
+        const float row_scale = keys.scale(rows[i] + h) * scale;
+        for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+          const float* qv = qf + qh * dim;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qv), k[0]);
+          for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * c), k[c], a);
+          scores[qh * stride + i] = _mm512_reduce_add_ps(a) * row_scale;
         }
-        const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
-        for (int64_t g = 0; g < groups; ++g)
-          _mm512_mask_storeu_ps(scores + (h * groups + g) * stride + i0, lanes, sum16(&dots[g * kTile]));
       }
     }
     return;
@@ -240,17 +200,19 @@ void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float*
                 int64_t kv_heads, int64_t groups, int64_t dim, float* acc) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && dim <= kMaxVectorDim) {
-    const int64_t chunks = dim / 16;
-    alignas(64) float tile[kTile * kMaxVectorDim];
-    for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-      const int64_t m = std::min(kTile, n - i0);
+    const int64_t chunks = dim / 16, position_bytes = kv_heads * values.stride_bytes();
+    __m512 v[kMaxVectorDim / 16];
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) prefetch_row(values, rows[i + kPrefetchAhead], position_bytes);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        widen_tile(values, rows, i0, m, n, h, kv_heads, dim, tile);
+        const auto* r = values.row(rows[i] + h);
+        for (int64_t c = 0; c < chunks; ++c) v[c] = load16(r + 16 * c);
+        const float row_scale = values.scale(rows[i] + h);
         for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
-          const float* w = probs + qh * stride + i0;
-          int64_t c = 0;
-          for (; c + 4 <= chunks; c += 4) accumulate_strip<4>(tile + 16 * c, dim, w, m, acc + qh * dim + 16 * c);
-          for (; c < chunks; ++c) accumulate_strip<1>(tile + 16 * c, dim, w, m, acc + qh * dim + 16 * c);
+          const __m512 w = _mm512_set1_ps(probs[qh * stride + i] * row_scale);
+          float* a = acc + qh * dim;
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
         }
       }
     }
