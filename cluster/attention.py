@@ -146,14 +146,14 @@ def _group(
     max_new = max(c.num_new for c in chunks)
     max_ctx = max(c.num_cached + c.num_new for c in chunks)
     max_blocks = max(-(-max_ctx // block_size), min_blocks)
-    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-    q_pos = torch.zeros(len(chunks), max_new, dtype=torch.long)  # padded rows look at position 0 only
-    query_index = []
+    table_rows, position_rows, query_index = [], [], []  # padded with block 0 and position 0
     for s, c in enumerate(chunks):
         needed = -(-(c.num_cached + c.num_new) // block_size)
-        tables[s, :needed] = torch.as_tensor(list(c.block_table[:needed]), dtype=torch.long)
+        table_rows.append([*c.block_table[:needed], *[0] * (max_blocks - needed)])
+        position_rows.append([*range(c.num_cached, c.num_cached + c.num_new), *[0] * (max_new - c.num_new)])
         query_index.extend(range(s * max_new, s * max_new + c.num_new))
-        q_pos[s, : c.num_new] = torch.arange(c.num_cached, c.num_cached + c.num_new)
+    tables = torch.tensor(table_rows, dtype=torch.long)
+    q_pos = torch.tensor(position_rows, dtype=torch.long)  # padded rows look at position 0 only
     k_pos = torch.arange(max_blocks * block_size)
     causal = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, max_new, ctx]
     masks = {}

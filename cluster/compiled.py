@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import torch
 import torch._inductor.config as inductor_config
@@ -64,22 +63,20 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(mask, 3)
         self.steps += 1
         ids = torch.tensor([*input_ids, *([0] * (bucket - n))], dtype=torch.long, device=device)
-        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if self._warm else nullcontext()
-        with (
-            stance,
-            inductor_config.patch(
-                freezing=True,
-                autotune_num_choices_displayed=0,
-                max_autotune_report_choices_stats=False,
-                # The graphs' inputs are built here, in the shapes they were compiled for; checking
-                # every custom op's output shape and alignment cost ~0.3 ms a step at batch 1.
-                size_asserts=False,
-                alignment_asserts=False,
-                scalar_asserts=False,
-            ),
+        if self._warm:  # every graph is built: inductor's settings no longer matter
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._forward(ids, meta.positions, kv_cache, meta)[:n]
+        with inductor_config.patch(
+            freezing=True,
+            autotune_num_choices_displayed=0,
+            max_autotune_report_choices_stats=False,
+            # The graphs' inputs are built here, in the shapes they were compiled for; checking
+            # every custom op's output shape and alignment cost ~0.3 ms a step at batch 1.
+            size_asserts=False,
+            alignment_asserts=False,
+            scalar_asserts=False,
         ):
-            logits = self._forward(ids, meta.positions, kv_cache, meta)
-        return logits[:n]
+            return self._forward(ids, meta.positions, kv_cache, meta)[:n]
 
     @torch.inference_mode()
     def warm_up(self, kv_cache: KVCache) -> None:
