@@ -105,6 +105,43 @@ inline void accumulate_rows(const uint32_t* p, int64_t p_stride, const uint32_t*
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * o_stride + 16 * c, acc[r][c]);
 }
 
+// One row's step of the online softmax over a block of kKeyBlock scores, of which the first
+// `visible` are seen: scales them, raises the running maximum `top` (rescaling the running `sum` and
+// output row `o` to it), and leaves the block's weights exp(score - top) in `p` as bfloat16 pairs.
+inline void softmax_block_row(float* scores, int64_t visible, float scale, float* top, float* sum, uint32_t* p,
+                              float* o, int64_t dim) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale16 = _mm512_set1_ps(scale);
+  __m512 vmax = minus_inf;
+  for (int64_t k = 0; k < kKeyBlock; k += 16) {
+    const __mmask16 seen = visible - k >= 16 ? 0xffff : visible - k <= 0 ? 0 : (1u << (visible - k)) - 1;
+    const __m512 x = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(scores + k), scale16);
+    _mm512_storeu_ps(scores + k, x);
+    vmax = _mm512_max_ps(vmax, x);
+  }
+  const float new_top = std::max(*top, _mm512_reduce_max_ps(vmax));
+  if (new_top == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
+    std::fill(p, p + kKeyBlock / 2, 0u);
+    return;
+  }
+  const float rescale = *top == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*top - new_top);
+  const __m512 top16 = _mm512_set1_ps(new_top);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kKeyBlock; k += 32) {
+    const __m512 x0 = _mm512_loadu_ps(scores + k), x1 = _mm512_loadu_ps(scores + k + 16);
+    // Unseen keys (-inf) weigh exactly zero.
+    const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, minus_inf, _CMP_NEQ_OQ),
+                                          exp16_nonpositive(_mm512_sub_ps(x0, top16)));
+    const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, minus_inf, _CMP_NEQ_OQ),
+                                          exp16_nonpositive(_mm512_sub_ps(x1, top16)));
+    vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(p + k / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  *sum = *sum * rescale + _mm512_reduce_add_ps(vsum);
+  *top = new_top;
+  if (rescale != 1.f)
+    for (int64_t d = 0; d < dim; ++d) o[d] *= rescale;
+}
+
 void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                     const int64_t* table, int64_t block_size, int64_t n, int64_t cached, int64_t heads,
                     int64_t kv_heads, int64_t dim, float scale, c10::BFloat16* out) {
@@ -116,7 +153,6 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
       pack_head(k_cache, v_cache, table, block_size, kv_heads, h, dim, ctx, padded, &kp[h * padded * pairs],
                 &vp[h * padded * pairs]);
   });
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scale16 = _mm512_set1_ps(scale);
   const int64_t max_rows = (groups * kQueryBlock + kScoreRows - 1) / kScoreRows * kScoreRows;
   at::parallel_for(0, kv_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(max_rows * kKeyBlock), o(max_rows * dim), top(max_rows), sum(max_rows);
@@ -143,39 +179,9 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
         for (int64_t r = 0; r < padded_rows; r += kScoreRows)
           for (int64_t k = 0; k < kKeyBlock; k += 32)
             score_rows(&q_rows[r], kh, pairs, key0 + k, &s[r * kKeyBlock + k], kKeyBlock);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = &s[r * kKeyBlock];
-          const int64_t visible = std::min<int64_t>(kKeyBlock, position[r] - key0 + 1);  // keys <= the position
-          __m512 vmax = minus_inf;
-          for (int64_t k = 0; k < kKeyBlock; k += 16) {
-            const __mmask16 seen = visible - k >= 16 ? 0xffff : visible - k <= 0 ? 0 : (1u << (visible - k)) - 1;
-            const __m512 x = _mm512_mask_mul_ps(minus_inf, seen, _mm512_loadu_ps(row + k), scale16);
-            _mm512_storeu_ps(row + k, x);
-            vmax = _mm512_max_ps(vmax, x);
-          }
-          const float new_top = std::max(top[r], _mm512_reduce_max_ps(vmax));
-          if (new_top == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
-            std::fill(&p[r * kKeyBlock / 2], &p[(r + 1) * kKeyBlock / 2], 0u);
-            continue;
-          }
-          const float rescale = top[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(top[r] - new_top);
-          const __m512 top16 = _mm512_set1_ps(new_top);
-          __m512 vsum = _mm512_setzero_ps();
-          for (int64_t k = 0; k < kKeyBlock; k += 32) {
-            const __m512 x0 = _mm512_loadu_ps(row + k), x1 = _mm512_loadu_ps(row + k + 16);
-            // Unseen keys (-inf) weigh exactly zero.
-            const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, minus_inf, _CMP_NEQ_OQ),
-                                                  exp16_nonpositive(_mm512_sub_ps(x0, top16)));
-            const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, minus_inf, _CMP_NEQ_OQ),
-                                                  exp16_nonpositive(_mm512_sub_ps(x1, top16)));
-            vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
-            _mm512_storeu_si512(&p[r * kKeyBlock / 2 + k / 2], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-          }
-          sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(vsum);
-          top[r] = new_top;
-          if (rescale != 1.f)
-            for (int64_t d = 0; d < dim; ++d) o[r * dim + d] *= rescale;
-        }
+        for (int64_t r = 0; r < rows; ++r)  // keys up to the row's own position are seen
+          softmax_block_row(&s[r * kKeyBlock], std::min(kKeyBlock, position[r] - key0 + 1), scale, &top[r], &sum[r],
+                            &p[r * kKeyBlock / 2], &o[r * dim], dim);
         for (int64_t r = rows; r < padded_rows; ++r) std::fill(&p[r * kKeyBlock / 2], &p[(r + 1) * kKeyBlock / 2], 0u);
         for (int64_t r = 0; r < padded_rows; r += kOutRows)
           for (int64_t d = 0; d < dim; d += 64)
