@@ -89,13 +89,14 @@ struct Int8Rows {
   }
 };
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
 constexpr int64_t kTile = 16;  // positions scored together, one score lane each
 
-// Sixteen vectors -> one: lane j holds the sum of v[j]'s lanes. Pairs, then quads, are summed
-// within each 128-bit lane, then the four lanes are summed across.
-inline __m512 sum16(const __m512* v) {
-  __m512 pairs[8], quads[4];
+// Sixteen vectors (rows of 16 floats) -> one: lane j holds the sum of row j. Pairs, then quads, are
+// summed within each 128-bit lane, then the four lanes are summed across.
+inline __m512 sum16(const float* rows) {
+  __m512 v[16], pairs[8], quads[4];
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_loadu_ps(rows + 16 * j);
   for (int j = 0; j < 8; ++j)
     pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
   for (int j = 0; j < 4; ++j) {
@@ -107,25 +108,34 @@ inline __m512 sum16(const __m512* v) {
   const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
 }
-#endif
 
-#if defined(__AVX512BF16__)
+// The first 64-byte aligned element at or after p (the buffer holds 64 bytes of slack).
+template <typename T>
+inline T* aligned64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 // `score` for bfloat16 keys: pair products of the raw rows (AVX512-BF16), which need no widening.
 // Each query head's product vectors of sixteen positions are summed across together (`sum16`).
 inline void score_bf16(const PlainRows<c10::BFloat16>& keys, const int64_t* rows, int64_t n, const float* qf,
                        int64_t kv_heads, int64_t groups, int64_t dim, float scale, float* scores, int64_t stride) {
   const int64_t vectors = dim / 32, heads = kv_heads * groups, position_bytes = kv_heads * keys.stride_bytes();
-  std::vector<__m512bh> qb(heads * vectors);  // the queries back in bfloat16 (exact: they came from it)
+  // The queries back in bfloat16 (exact: they came from it), 32 to a vector. Plain, aligned by
+  // hand: a std::vector of vector types does not keep their 64-byte alignment.
+  std::vector<uint16_t> qb_store(heads * dim + 31);
+  uint16_t* qb = aligned64(qb_store.data());
   for (int64_t v = 0; v < heads * vectors; ++v)
-    qb[v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 32 * v + 16), _mm512_loadu_ps(qf + 32 * v));
-  std::vector<__m512> dots(heads * kTile);
+    _mm512_storeu_si512(&qb[32 * v], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 32 * v + 16),
+                                                                 _mm512_loadu_ps(qf + 32 * v)));
+  std::vector<float> dot_store(heads * kTile * 16 + 15);  // per query head, a row of products per position
+  float* dots = aligned64(dot_store.data());
   __m512bh k[kMaxVectorDim / 32];
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min(kTile, n - i0);
     for (int64_t p = 0; p < kTile; ++p) {
       if (p >= m) {
-        for (int64_t qh = 0; qh < heads; ++qh) dots[qh * kTile + p] = _mm512_setzero_ps();
+        for (int64_t qh = 0; qh < heads; ++qh) _mm512_storeu_ps(&dots[(qh * kTile + p) * 16], _mm512_setzero_ps());
         continue;
       }
       const int64_t i = i0 + p;
@@ -134,16 +144,16 @@ inline void score_bf16(const PlainRows<c10::BFloat16>& keys, const int64_t* rows
         const c10::BFloat16* r = keys.row(rows[i] + h);
         for (int64_t v = 0; v < vectors; ++v) k[v] = (__m512bh)_mm512_loadu_si512(r + 32 * v);
         for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
-          const __m512bh* qv = &qb[qh * vectors];
-          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], k[0]);
-          for (int64_t v = 1; v < vectors; ++v) a = _mm512_dpbf16_ps(a, qv[v], k[v]);
-          dots[qh * kTile + p] = a;
+          const uint16_t* qv = &qb[qh * dim];
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t v = 0; v < vectors; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qv + 32 * v), k[v]);
+          _mm512_storeu_ps(&dots[(qh * kTile + p) * 16], a);
         }
       }
     }
     const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
     for (int64_t qh = 0; qh < heads; ++qh)
-      _mm512_mask_storeu_ps(scores + qh * stride + i0, lanes, _mm512_mul_ps(sum16(&dots[qh * kTile]), scale16));
+      _mm512_mask_storeu_ps(scores + qh * stride + i0, lanes, _mm512_mul_ps(sum16(&dots[qh * kTile * 16]), scale16));
   }
 }
 #endif

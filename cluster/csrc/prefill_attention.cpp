@@ -210,6 +210,28 @@ at::Tensor gather(const at::Tensor& cache, const at::Tensor& blocks, int64_t ctx
   return rows.transpose(0, 1);
 }
 
+// One sequence through torch's flash attention: its n queries [n, heads, dim] at positions
+// [cached, cached + n) over its gathered blocks; [n, heads, dim].
+at::Tensor torch_sequence(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& blocks, int64_t cached, int64_t dim, double scale,
+                          std::optional<int64_t> window) {
+  const int64_t n = q.size(0), ctx = cached + n;
+  const at::Tensor keys = gather(k_cache, blocks, ctx, dim, q.scalar_type()).unsqueeze(0);
+  const at::Tensor values = gather(v_cache, blocks, ctx, dim, q.scalar_type()).unsqueeze(0);
+  const bool causal = cached == 0 && !window;
+  std::optional<at::Tensor> mask;
+  if (!causal) {  // query i, at position cached + i, sees the keys at or before it (and within the window)
+    const at::Tensor q_pos = at::arange(cached, ctx, blocks.options()).unsqueeze(1);
+    const at::Tensor k_pos = at::arange(ctx, blocks.options()).unsqueeze(0);
+    at::Tensor m = k_pos <= q_pos;
+    if (window) m = m & (q_pos - k_pos < *window);
+    mask = m;
+  }
+  const at::Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, mask, 0.0,
+                                                        causal, scale, /*enable_gqa=*/true);  // [1, heads, n, dim]
+  return o[0].transpose(0, 1);
+}
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, at::IntArrayRef num_new, at::IntArrayRef num_cached,
                              double scale, std::optional<int64_t> window) {
@@ -249,7 +271,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   const at::Tensor qc = flash ? q.contiguous() : q;
   int64_t start = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = num_new[s], cached = num_cached[s], ctx = cached + n;
+    const int64_t n = num_new[s], cached = num_cached[s];
 #if defined(__AVX512BF16__)
     if (flash) {
       flash_sequence(qc.data_ptr<c10::BFloat16>() + start * heads * dim, k_cache.data_ptr<c10::BFloat16>(),
@@ -260,22 +282,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
       continue;
     }
 #endif
-    const at::Tensor blocks = tables[s].narrow(0, 0, (ctx + block_size - 1) / block_size);
-    const at::Tensor keys = gather(k_cache, blocks, ctx, dim, q.scalar_type()).unsqueeze(0);
-    const at::Tensor values = gather(v_cache, blocks, ctx, dim, q.scalar_type()).unsqueeze(0);
-    const at::Tensor queries = q.narrow(0, start, n).transpose(0, 1).unsqueeze(0);  // [1, heads, n, dim]
-    const bool causal = cached == 0 && !window;
-    std::optional<at::Tensor> mask;
-    if (!causal) {
-      const at::Tensor q_pos = at::arange(cached, ctx, tables.options()).unsqueeze(1);
-      const at::Tensor k_pos = at::arange(ctx, tables.options()).unsqueeze(0);
-      at::Tensor m = k_pos <= q_pos;
-      if (window) m = m & (q_pos - k_pos < *window);
-      mask = m;
-    }
-    const at::Tensor o = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, causal, scale,
-                                                          /*enable_gqa=*/true);  // [1, heads, n, dim]
-    out.narrow(0, start, n).view({n, heads, dim}).copy_(o[0].transpose(0, 1));
+    const at::Tensor blocks = tables[s].narrow(0, 0, (cached + n + block_size - 1) / block_size);
+    out.narrow(0, start, n).view({n, heads, dim}).copy_(
+        torch_sequence(q.narrow(0, start, n), k_cache, v_cache, blocks, cached, dim, scale, window));
     start += n;
   }
   return out;
