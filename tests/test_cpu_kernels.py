@@ -44,11 +44,14 @@ def _sdpa(q, k_cache, v_cache, meta, window, scale):  # type: ignore[no-untyped-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 128), (6, 2, 24)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (4, 4, 16), (8, 2, 128), (4, 2, 256), (6, 2, 24)]
+)
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_attention_equals_sdpa(dtype, heads, kv_heads, head_dim, window):
-    """Vector path (head_dim a multiple of 16) and scalar path (24), grouped and plain heads, with and
-    without a sliding window."""
+    """Vector paths (head_dim a multiple of 16; 64, 128 and 256 sum values in registers, a KV head's
+    query heads a few at a time: 7 query heads a KV head take two passes) and the scalar path (24),
+    grouped and plain heads, with and without a sliding window."""
     q, k_cache, v_cache, meta = _case(dtype, heads, kv_heads, head_dim)
     (g,) = meta.groups
     got = torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], 0.3)

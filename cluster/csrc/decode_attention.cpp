@@ -4,7 +4,9 @@
 // to keep every thread busy). It reads each admitted position's keys, for all KV heads at once, in
 // place through the block table, scores every query head against them, then sums the values with
 // the softmax weights; rows are converted to float32 in registers and nothing is gathered into a
-// copy of the cache. bfloat16 keys are scored by AVX512-BF16 pair products on the raw rows. The
+// copy of the cache. bfloat16 keys are scored by AVX512-BF16 pair products on the raw rows. Values
+// of 16-bit and int8 caches are summed sixteen positions at a time, one KV head after another, into
+// accumulators kept in registers (float32 values, bound by reading them, go in cache order). The
 // parts of a sequence are merged afterwards (split-context decoding). An int8 cache row holds
 // head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
 //
@@ -204,11 +206,75 @@ void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, in
     }
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kValueTile = 16;  // positions whose values are summed with the accumulators in registers
+constexpr int kAccumulators = 16;    // vector registers those accumulators may take
+
+// acc[qh] += probs[qh * stride + i] * value row of position i, for the query heads [qh0, qh0 + Heads)
+// of KV head h over positions [i0, i1): the accumulators stay in registers across the positions.
+// With `ahead`, each position also asks for KV head h's row of position i + ahead.
+template <int Heads, int Chunks, typename Rows>
+inline void accumulate_heads(const Rows& values, const int64_t* rows, int64_t i0, int64_t i1, const float* probs,
+                             int64_t stride, int64_t h, int64_t qh0, float* acc, int64_t ahead, int64_t n) {
+  constexpr int64_t dim = 16 * Chunks;
+  __m512 a[Heads][Chunks];
+  for (int g = 0; g < Heads; ++g)
+    for (int c = 0; c < Chunks; ++c) a[g][c] = _mm512_loadu_ps(acc + (qh0 + g) * dim + 16 * c);
+  for (int64_t i = i0; i < i1; ++i) {
+    if (ahead > 0 && i + ahead < n) prefetch_row(values, rows[i + ahead] + h, values.stride_bytes());
+    const auto* r = values.row(rows[i] + h);
+    const float row_scale = values.scale(rows[i] + h);
+    __m512 v[Chunks];
+    for (int c = 0; c < Chunks; ++c) v[c] = load16(r + 16 * c);
+    for (int g = 0; g < Heads; ++g) {
+      const __m512 w = _mm512_set1_ps(probs[(qh0 + g) * stride + i] * row_scale);
+      for (int c = 0; c < Chunks; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < Heads; ++g)
+    for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(acc + (qh0 + g) * dim + 16 * c, a[g][c]);
+}
+
+// `accumulate` for head_dim 16 * Chunks. A tile of positions at a time (one stretch of the cache,
+// the next tile's rows asked for ahead), each KV head's query heads a few at a time.
+template <int Chunks, typename Rows>
+void accumulate_tiled(const Rows& values, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
+                      int64_t kv_heads, int64_t groups, float* acc) {
+  constexpr int kMaxHeads = std::max(1, kAccumulators / Chunks);
+  const int64_t position_bytes = kv_heads * values.stride_bytes();
+  for (int64_t i = 0; i < std::min(n, kValueTile); ++i) prefetch_row(values, rows[i], position_bytes);
+  for (int64_t i0 = 0; i0 < n; i0 += kValueTile) {
+    const int64_t i1 = std::min(n, i0 + kValueTile);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = 0; g < groups; g += kMaxHeads) {
+        const int64_t qh0 = h * groups + g, ahead = g == 0 ? kValueTile : 0;
+        const auto run = [&](auto heads) {
+          accumulate_heads<decltype(heads)::value, Chunks>(values, rows, i0, i1, probs, stride, h, qh0, acc, ahead, n);
+        };
+        switch (std::min<int64_t>(kMaxHeads, groups - g)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, std::min(2, kMaxHeads)>{}); break;
+          case 3: run(std::integral_constant<int, std::min(3, kMaxHeads)>{}); break;
+          default: run(std::integral_constant<int, kMaxHeads>{}); break;
+        }
+      }
+  }
+}
+#endif
+
 // acc[qh] += probs[qh * stride + i] * value row of position i for qh's KV head, for every query head.
 template <typename Rows>
 void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
                 int64_t kv_heads, int64_t groups, int64_t dim, float* acc) {
 #if defined(__AVX512F__)
+  // float32 values are bound by reading them, and read fastest in cache order, every head at once.
+  if constexpr (!std::is_same_v<Rows, PlainRows<float>>) {
+    switch (dim) {
+      case 64: return accumulate_tiled<4>(values, rows, n, probs, stride, kv_heads, groups, acc);
+      case 128: return accumulate_tiled<8>(values, rows, n, probs, stride, kv_heads, groups, acc);
+      case 256: return accumulate_tiled<16>(values, rows, n, probs, stride, kv_heads, groups, acc);
+    }
+  }
   if (dim % 16 == 0 && dim <= kMaxVectorDim) {
     const int64_t chunks = dim / 16, position_bytes = kv_heads * values.stride_bytes();
     __m512 v[kMaxVectorDim / 16];
