@@ -116,17 +116,19 @@ def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
 
 
 def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tuple[float, float]:
-    """The median decode step time, and the median memory read bandwidth measured between the steps:
-    the roofline of this row (the machine's bandwidth drifts during a run, from 25 to 80 GB/s here)."""
+    """The median decode step time, and the median memory read bandwidth measured between runs of
+    steps: the roofline of this row (the machine's bandwidth drifts during a run, from 25 to 80 GB/s
+    here). Steps are timed back to back, as a decode loop runs them. The first step after each
+    bandwidth probe is not timed: it pays for the probe's 256 MB sweep through the caches and the
+    TLB (about 0.4 ms at batch 1 here), which a decode loop never makes."""
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
     rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, None)
             for c in plan.chunks]  # fmt: skip
     probe = _probe(device)
     steps: list[float] = []
     sums: list[float] = []
-    timed(lambda: engine.runner.execute(plan, rows), device, repeat=0)  # warm-up only
     for _ in range(repeat):
-        steps += timed(lambda: engine.runner.execute(plan, rows), device, repeat=1, warmup=0)
+        steps += timed(lambda: engine.runner.execute(plan, rows), device, repeat=2, warmup=1)
         sums += timed(lambda: probe.sum(), device, repeat=1, warmup=0)
     return statistics.median(steps), probe.numel() * 4 / statistics.median(sums)
 
