@@ -35,11 +35,17 @@ constexpr int64_t kMinTaskBytes = 32 * 1024;  // weight bytes per thread below w
 // Weight bytes a thread asks for ahead of the line it multiplies: left to the hardware prefetcher
 // alone, too few lines are in flight to read at the machine's bandwidth, the more so in the short
 // products of one layer.
-constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchBytes = 8192;
 
 // A hint for the cache line `kPrefetchBytes` past p: past the end of the weights it loads a line
 // nothing needs, and it never faults.
 inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3); }
+
+// Hints for the first `kPrefetchBytes` of a thread's `bytes` of weights, which no line before them
+// asks for.
+inline void prefetch_first(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
 
 // y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), with x in float32, `Rows` rows of length k;
 // accumulated in float32, stored in the weights' dtype.
@@ -138,6 +144,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
     const auto* wp = w.data_ptr<c10::BFloat16>();
     auto* yp = y.data_ptr<c10::BFloat16>();
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      prefetch_first(wp + n0 * k, (n1 - n0) * row_bytes);
       tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
         product_bf16<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
       });
@@ -152,6 +159,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      prefetch_first(wp + n0 * k, (n1 - n0) * row_bytes);
       tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
         product<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
       });
