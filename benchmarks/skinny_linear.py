@@ -1,13 +1,15 @@
 """Few-row products: `tandem_cpu::skinny_linear` against torch's `F.linear`, side by side in one run.
 
-    .venv/bin/python benchmarks/skinny_linear.py [--layers 8] [--threads 2]
+    .venv/bin/python benchmarks/skinny_linear.py [--layers 30] [--threads 2]
 
 The weights of `--layers` layers of the `smollm-135m` preset (the fused q/k/v, output, gate/up and
-down projections: 3.5M parameters a layer, more than the last-level cache holds at 8 layers), in
-float32 and bfloat16. For each row count from 1 to 64, both kernels run every matrix once, repeats
-interleaved; the median time gives the weight bytes read per second, the arithmetic rate and the
-ratio. This is where `cluster.cpu_kernels.SKINNY_ROWS` comes from: the row counts up to which the
-kernel is used. Prints a table, writes `benchmarks/results/skinny_linear.{json,png}`.
+down projections: 3.5M parameters a layer; all 30 layers are 212 MB in bfloat16, far more than the
+last-level cache holds, as in a decode step), in float32 and bfloat16. For each row count from 1 to
+64, both kernels run every matrix once, repeats interleaved; the median time gives the weight bytes
+read per second, the arithmetic rate and the ratio. `F.linear` here multiplies unpacked weights;
+compiled decode graphs hand torch's products weights prepacked for oneDNN, which is faster from
+about 24 bfloat16 rows (see `cluster.cpu_kernels.SKINNY_ROWS`). Prints a table, writes
+`benchmarks/results/skinny_linear.{json,png}`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", type=Path, default=OUT)
