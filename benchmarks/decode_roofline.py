@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/decode_roofline.py [--quick] [--device cuda]
 
 1. Floors of this machine, measured now: memory read bandwidth (a large float32 `sum`) and the
-   matrix-multiply rate in the model's dtype. The bandwidth drifts during a run on a shared
-   machine, so it is measured again between the repeats of every step timed, and each row's
-   roofline is the bandwidth measured beside it.
+   matrix-multiply rate in the model's dtype. Both drift during a run on a shared machine, so they
+   are measured again between the repeats of every step timed, and each row's rooflines are the
+   floors measured beside it.
 2. For the `smollm-135m` preset (random weights) in float32 and bfloat16, with a 512-token context:
    Tandem's decode step at batch 1, 4, 16 and 64 — bytes each step must read (weights + KV cache),
    achieved bandwidth and fraction of the roofline — and transformers' `generate` per-token time at
@@ -83,12 +83,22 @@ def measure_bandwidth(device: str) -> float:
     return x.numel() * 4 / statistics.median(times)
 
 
+def _matmul_operand(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A square matrix whose product with itself measures the matrix-multiply rate."""
+    key = f"{device}:{dtype}"
+    if key not in _PROBES:
+        n = 2048 if device == "cpu" else 8192
+        _PROBES[key] = torch.randn(n, n, dtype=dtype, device=device)
+    return _PROBES[key]
+
+
+def matmul_rate(times: list[float], a: torch.Tensor) -> float:
+    return 2 * a.shape[0] ** 3 / statistics.median(times)
+
+
 def measure_matmul(dtype: torch.dtype, device: str) -> float:
-    n = 2048 if device == "cpu" else 8192
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    times = timed(lambda: a @ b, device, repeat=5)
-    return 2 * n**3 / statistics.median(times)
+    a = _matmul_operand(dtype, device)
+    return matmul_rate(timed(lambda: a @ a, device, repeat=5), a)
 
 
 def step_bytes(model, batch: int, context: int) -> tuple[int, int]:
@@ -115,22 +125,27 @@ def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
     return StepPlan(tuple(chunks))
 
 
-def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tuple[float, float]:
-    """The median decode step time, and the median memory read bandwidth measured between runs of
-    steps: the roofline of this row (the machine's bandwidth drifts during a run, from 25 to 80 GB/s
-    here). Steps are timed back to back, as a decode loop runs them. The first step after each
-    bandwidth probe is not timed: it pays for the probe's 256 MB sweep through the caches and the
-    TLB (about 0.4 ms at batch 1 here), which a decode loop never makes."""
+def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tuple[float, float, float]:
+    """The median decode step time, and this row's rooflines: the median memory read bandwidth and
+    matrix-multiply rate (in the model's dtype) measured between runs of steps. This shared machine's
+    bandwidth drifts during a run, from 25 to 80 GB/s, and its matmul rate dips when other work
+    shares the cores, so each row is compared with the floors measured beside it. Steps are timed
+    back to back, as a decode loop runs them. The first step after the floors is not timed: it pays
+    for the probe's 256 MB sweep through the caches and the TLB (about 0.4 ms at batch 1 here),
+    which a decode loop never makes."""
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
     rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, None)
             for c in plan.chunks]  # fmt: skip
     probe = _probe(device)
+    a = _matmul_operand(engine.runner.model.embed_tokens.weight.dtype, device)
     steps: list[float] = []
     sums: list[float] = []
+    products: list[float] = []
     for _ in range(repeat):
         steps += timed(lambda: engine.runner.execute(plan, rows), device, repeat=2, warmup=1)
         sums += timed(lambda: probe.sum(), device, repeat=1, warmup=0)
-    return statistics.median(steps), probe.numel() * 4 / statistics.median(sums)
+        products += timed(lambda: a @ a, device, repeat=1, warmup=0)
+    return statistics.median(steps), probe.numel() * 4 / statistics.median(sums), matmul_rate(products, a)
 
 
 class _TokenClock:
@@ -228,14 +243,14 @@ def dtype_section(
     )
     print(
         f"{'what':<28}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}{'GFLOP/s':>9}"
-        f"{'of matmul':>10}"
+        f"{'mm GF/s':>8}{'of matmul':>10}"
     )
     for batch in batches:
         nbytes, flops = step_bytes(model, batch, CONTEXT)
         for name, engine in (("tandem eager", eager), ("tandem compiled", compiled)):
-            t, bw = tandem_step_time(engine, batch, device, repeat)
-            runs.append(_record(name, dtype_name, batch, t, nbytes, flops, bw, matmul))
-            _row(f"{name} decode step", batch, t, nbytes, flops, bw, matmul)
+            t, bw, mm = tandem_step_time(engine, batch, device, repeat)
+            runs.append(_record(name, dtype_name, batch, t, nbytes, flops, bw, mm))
+            _row(f"{name} decode step", batch, t, nbytes, flops, bw, mm)
     for batch in [1, 16] if not quick else [1]:
         t = hf_token_time(hf, batch, device, new_tokens=8 if quick else 16)
         bw = measure_bandwidth(device)
@@ -320,7 +335,7 @@ def quantised(folder: Path, batches: list[int], repeat: int) -> list[dict]:
         compile_s = time.perf_counter() - start
         row_bytes = kv_row_bytes(arch.head_dim, 2, kv)
         for batch in batches:
-            t, bw = tandem_step_time(engine, batch, "cpu", repeat)
+            t, bw, _ = tandem_step_time(engine, batch, "cpu", repeat)
             kv_bytes = batch * CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
             nbytes = weight_bytes(model) + kv_bytes
             base = next((r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16"), t)
@@ -351,13 +366,15 @@ def _record(engine: str, dtype: str, batch: int, t: float, nbytes: int, flops: i
         "GBps": nbytes / t / 1e9,
         "bandwidth_GBps": bandwidth / 1e9,
         "roofline_frac": nbytes / t / bandwidth,
+        "matmul_GFLOPs": matmul / 1e9,
         "compute_frac": flops / t / matmul,
     }
 
 
 def _row(what: str, batch: int, t: float, nbytes: int, flops: int, bandwidth: float, matmul: float) -> None:
     print(f"{what:<28}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}{bandwidth / 1e9:>8.1f}"
-          f"{nbytes / t / bandwidth:>9.0%}{flops / t / 1e9:>9.1f}{flops / t / matmul:>10.0%}")  # fmt: skip
+          f"{nbytes / t / bandwidth:>9.0%}{flops / t / 1e9:>9.1f}{matmul / 1e9:>8.0f}"
+          f"{flops / t / matmul:>10.0%}")  # fmt: skip
 
 
 def _plot_roofline(results: dict, ax) -> None:  # type: ignore[no-untyped-def]
