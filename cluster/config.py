@@ -51,8 +51,8 @@ class ModelConfig(_Part):
     compile_buckets: tuple[int, ...] = Field(
         default=(),
         description="Decode workers: row counts (sequences, plus draft tokens to verify) of the steps compiled with "
-        "torch.compile before the worker serves, e.g. [1, 2, 4, 8, 16, 32, 64]; a step is padded to the next one. "
-        "Seconds to minutes of start-up per bucket; empty: every step runs eager.",
+        "torch.compile before the worker serves, e.g. [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]; a step is padded to "
+        "the next one. Seconds to minutes of start-up per bucket; empty: every step runs eager.",
     )
 
     @model_validator(mode="after")
