@@ -25,11 +25,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_rows.h"
 #include "vec.h"
 
 namespace {
 
+using tandem::exp_nonpositive;
+using tandem::Int8Rows;
+using tandem::kPrefetchAhead;
+using tandem::PlainRows;
+using tandem::prefetch_row;
 using tandem::widen;
+using tandem::with_count;
 #if defined(__AVX512F__)
 using tandem::exp16_nonpositive;
 using tandem::load16;
@@ -39,57 +46,7 @@ constexpr int64_t kMaxParts = 64;  // context parts of one sequence
 
 #if defined(__AVX512F__)
 constexpr int64_t kMaxVectorDim = 256;  // head_dim of the vector paths: rows of up to 16 vectors
-constexpr int64_t kPrefetchAhead = 8;    // rows: the table scatters them, so the hardware cannot guess
-
-template <typename Rows>
-inline void prefetch_row(const Rows& rows, int64_t r, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(rows.row(r));
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
 #endif
-
-// exp(x) for the x <= 0 of a softmax (scores minus their maximum), vectorisable: 2^n times a
-// degree-6 polynomial for 2^f, |f| <= 1/2; relative error about 2e-7, float32's own rounding.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504088896341f;  // x / ln 2
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
-// Rows of the cache in the model's dtype.
-template <typename T>
-struct PlainRows {
-  const T* base;
-  int64_t row_elems;  // elements from one (slot, head) row to the next
-  const T* row(int64_t r) const { return base + r * row_elems; }
-  float scale(int64_t) const { return 1.f; }
-  int64_t stride_bytes() const { return row_elems * sizeof(T); }
-};
-
-// Quantised rows: `dim` int8 values, then the row's float32 scale.
-struct Int8Rows {
-  const uint8_t* base;
-  int64_t row_bytes;
-  int64_t dim;
-  const int8_t* row(int64_t r) const { return reinterpret_cast<const int8_t*>(base + r * row_bytes); }
-  int64_t stride_bytes() const { return row_bytes; }
-  float scale(int64_t r) const {
-    float s;
-    std::memcpy(&s, base + r * row_bytes + dim, sizeof(s));
-    return s;
-  }
-};
 
 #if defined(__AVX512BF16__)
 constexpr int64_t kTile = 16;  // positions scored together, one score lane each
@@ -248,15 +205,9 @@ void accumulate_tiled(const Rows& values, const int64_t* rows, int64_t n, const 
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t g = 0; g < groups; g += kMaxHeads) {
         const int64_t qh0 = h * groups + g, ahead = g == 0 ? kValueTile : 0;
-        const auto run = [&](auto heads) {
+        with_count<kMaxHeads>(std::min<int64_t>(kMaxHeads, groups - g), [&](auto heads) {
           accumulate_heads<decltype(heads)::value, Chunks>(values, rows, i0, i1, probs, stride, h, qh0, acc, ahead, n);
-        };
-        switch (std::min<int64_t>(kMaxHeads, groups - g)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, std::min(2, kMaxHeads)>{}); break;
-          case 3: run(std::integral_constant<int, std::min(3, kMaxHeads)>{}); break;
-          default: run(std::integral_constant<int, kMaxHeads>{}); break;
-        }
+        });
       }
   }
 }

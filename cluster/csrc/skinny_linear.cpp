@@ -44,7 +44,8 @@ inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const
 // Hints for the first `kPrefetchBytes` of a thread's `bytes` of weights, which no line before them
 // asks for.
 inline void prefetch_first(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+  const char* first = static_cast<const char*>(p);
+  for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(first + b, 0, 3);
 }
 
 // y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), with x in float32, `Rows` rows of length k;
@@ -97,21 +98,6 @@ void product_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, int
 }
 #endif
 
-// Calls `body` with the row count as a compile-time constant.
-template <typename Body>
-void with_rows(int64_t rows, Body&& body) {
-  switch (rows) {
-    case 1: return body(std::integral_constant<int, 1>{});
-    case 2: return body(std::integral_constant<int, 2>{});
-    case 3: return body(std::integral_constant<int, 3>{});
-    case 4: return body(std::integral_constant<int, 4>{});
-    case 5: return body(std::integral_constant<int, 5>{});
-    case 6: return body(std::integral_constant<int, 6>{});
-    case 7: return body(std::integral_constant<int, 7>{});
-    case 8: return body(std::integral_constant<int, 8>{});
-  }
-}
-
 // Over weight rows [n0, n1): a tile of weight rows at a time, every group of up to eight input
 // rows against it, so the tile comes from memory once and from cache for the other groups.
 // `group(rows, first_row, t0, t1)` computes one group (rows as a compile-time constant).
@@ -120,7 +106,7 @@ void tiled(int64_t rows, int64_t n0, int64_t n1, int64_t tile, Group&& group) {
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     for (int64_t m = 0; m < rows; m += kGroupRows)
-      with_rows(std::min<int64_t>(kGroupRows, rows - m), [&](auto r) { group(r, m, t0, t1); });
+      tandem::with_count<kGroupRows>(std::min<int64_t>(kGroupRows, rows - m), [&](auto r) { group(r, m, t0, t1); });
   }
 }
 

@@ -1,17 +1,50 @@
-// Shared by the CPU kernels: element loads (one, or sixteen at once, as float32) and a vector exp.
+// Shared by the CPU kernels: element loads (one, or sixteen at once, as float32), exp for a softmax,
+// and a dispatch on small counts.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace tandem {
+
+// Calls body(std::integral_constant<int, n>{}) for n in [1, Max], so loops over n unroll and their
+// accumulators stay in registers.
+template <int Max, typename Body>
+inline void with_count(int64_t n, Body&& body) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, body);
+  }
+  body(std::integral_constant<int, Max>{});
+}
+
+// exp(x) for the x <= 0 of a softmax (scores minus their maximum), vectorisable: 2^n times a
+// degree-6 polynomial for 2^f, |f| <= 1/2; relative error about 2e-7, float32's own rounding.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;  // x / ln 2
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) {
