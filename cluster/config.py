@@ -327,6 +327,22 @@ def parse_config(data: Any, source: str = "config") -> ClusterConfig:
         raise ConfigError(f"invalid {source}:\n{_describe(e)}") from None
 
 
+# The demo model that ships with the repository: what `tandem serve` runs when given no model.
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
+
+
+def serve_config(config_path: str | Path | None = None, model: str | Path | None = None) -> ClusterConfig:
+    """What `tandem serve` runs: the config file when given (its model replaced by `model` when that
+    is given too), else every default around `model`, else the bundled demo model on a local Ray."""
+    data: dict[str, Any] = json.loads(dump_config(load_config(config_path))) if config_path is not None else {}
+    if model is not None or config_path is None:
+        path = Path(model) if model is not None else BUNDLED_MODEL
+        if not path.exists():
+            raise ConfigError(f"no model at {path}: pass --model DIR or --config FILE")
+        data["model"] = {**data.get("model", {}), "path": str(path), "name": None}
+    return parse_config(data, source=str(config_path or "the default config"))
+
+
 def load_config(path: str | Path) -> ClusterConfig:
     """Reads a YAML (`.yaml`, `.yml`) or JSON (`.json`) config file."""
     path = Path(path)

@@ -1,8 +1,11 @@
 """The `tandem` command line.
 
-tandem serve --config FILE [--prompt TEXT]    start the cluster on Ray (a local one by default) and
+tandem serve [--config FILE] [--model DIR] [--prompt TEXT]
+                                              start the cluster on Ray (a local one by default) and
                                               its router; with --prompt, answer it through the
-                                              client SDK and shut down (unless --keep-serving)
+                                              client SDK and shut down (unless --keep-serving);
+                                              no config: every default, on the bundled demo model
+                                              or on --model
 tandem generate PROMPT [--target HOST:PORT]   stream a completion from a running cluster
 tandem generate --model DIR --prompt TEXT     complete a prompt in this process, no cluster
 tandem status [--target HOST:PORT]            pools, workers, KV use, queues, placement counters
@@ -31,7 +34,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster.arch import ModelFormatError
 from cluster.auth import api_keys
 from cluster.cli import add_commands, add_generate_options, offline_generate
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError, serve_config
 from router.client import Client, TandemError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -54,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="start a cluster and its router")
-    serve.add_argument("--config", required=True, help="cluster config (YAML or JSON)")
+    serve.add_argument("--config", default=None, help="cluster config (YAML or JSON; default: every default)")
+    serve.add_argument(
+        "--model", default=None, help="model folder to serve (replaces the config's; default: the bundled demo model)"
+    )
     serve.add_argument("--port", type=int, default=None, help="router port (default: router.port in the config)")
     serve.add_argument("--prompt", default=None, help="answer this prompt through the client SDK, then stop")
     serve.add_argument("--max-tokens", type=int, default=48, help="tokens for --prompt (default: 48)")
@@ -106,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster import ray_cluster
     from router.server import from_config
 
-    config = load_config(args.config)
+    config = serve_config(args.config, args.model)
     port = args.port if args.port is not None else config.router.port
     started = time.perf_counter()
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)

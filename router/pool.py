@@ -31,18 +31,20 @@ class WorkerPool:
         refresh_s: float = 1.0,
         metadata: Sequence[tuple[str, str]] = (),
         credentials: grpc.ChannelCredentials | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.credentials = credentials  # mutual TLS to the workers, when configured
         self.discover = discover
         self.metadata = list(metadata)  # the cluster secret on every call to a worker
         self.refresh_s = refresh_s
+        self.clock = clock
         self._workers: dict[str, _Worker] = {}
-        self._checked = 0.0
+        self._checked: float | None = None  # when discovery last ran; None: never, or asked again
         self._lock = threading.Lock()
 
     def workers(self) -> dict[str, _Worker]:
         with self._lock:
-            if time.monotonic() - self._checked >= self.refresh_s:
+            if self._checked is None or self.clock() - self._checked >= self.refresh_s:
                 self._refresh()
             return dict(self._workers)
 
@@ -64,7 +66,7 @@ class WorkerPool:
     def rediscover(self) -> None:
         """Asks `discover()` again on the next use, not after `refresh_s`."""
         with self._lock:
-            self._checked = 0.0
+            self._checked = None
 
     def close(self) -> None:
         with self._lock:
@@ -81,4 +83,4 @@ class WorkerPool:
             if name not in self._workers:
                 channel = tls.channel(address, self.credentials, message_options())
                 self._workers[name] = _Worker(name, address, channel, worker_pb2_grpc.WorkerStub(channel))
-        self._checked = time.monotonic()
+        self._checked = self.clock()

@@ -106,16 +106,23 @@ def test_consistent_hashing_moves_few_keys_when_a_worker_joins():
     assert len(set(before.values())) == 3
 
 
-def test_pool_rediscovers_on_demand_between_refreshes():
+@pytest.mark.parametrize("boot_s", [0.5, 1e6], ids=["fresh-machine", "long-uptime"])
+def test_pool_rediscovers_on_demand_between_refreshes(boot_s):
     """A router that finds no decode worker with room asks discovery again at once: a worker added
-    since the last refresh is placed on instead of the request being refused."""
+    since the last refresh is placed on instead of the request being refused. The clock is injected:
+    a machine booted `boot_s` ago (monotonic time below `refresh_s`) refreshes on first use too."""
+    now = [boot_s]
     found = {"decode-0": "127.0.0.1:1"}
-    pool = WorkerPool(lambda: dict(found), refresh_s=3600)
+    pool = WorkerPool(lambda: dict(found), refresh_s=3600, clock=lambda: now[0])
     try:
-        assert set(pool.workers()) == {"decode-0"}
+        assert set(pool.workers()) == {"decode-0"}, "the first use discovers, whatever the clock reads"
         found["decode-1"] = "127.0.0.1:2"
+        now[0] += 1
         assert set(pool.workers()) == {"decode-0"}, "within refresh_s the list is reused"
         pool.rediscover()
         assert set(pool.workers()) == {"decode-0", "decode-1"}
+        found["decode-2"] = "127.0.0.1:3"
+        now[0] += 3600
+        assert set(pool.workers()) == {"decode-0", "decode-1", "decode-2"}, "refresh_s later it asks again"
     finally:
         pool.close()

@@ -1,0 +1,62 @@
+"""`tandem serve` needs no config: with no arguments it serves the bundled demo model on a local Ray
+with every default, and `tandem serve --model DIR` serves any model folder the same way (as
+`vllm serve MODEL` does). A config file still wins for everything but the model `--model` names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.config import BUNDLED_MODEL, ConfigError, serve_config
+from cluster.model_builder import init_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+TANDEM = str(Path(sys.executable).parent / "tandem")
+
+
+def test_no_config_is_every_default_on_the_bundled_model():
+    config = serve_config()
+    assert config.model.path == BUNDLED_MODEL and config.model.served_name == "tandem-demo-code"
+    assert config.ray_address is None, "a local Ray"
+    assert config.prefill.replicas == 1 and config.decode.replicas == 1
+
+
+def test_model_replaces_the_configs_model_and_keeps_the_rest(tmp_path):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    config_file = tmp_path / "cluster.yaml"
+    config_file.write_text("model:\n  path: models/tandem-demo-code\n  dtype: float32\ncache:\n  memory_gib: 0.5\n")
+    config = serve_config(config_file, folder)
+    assert config.model.path == folder and config.model.served_name == "my-model"
+    assert config.model.dtype == "float32" and config.cache.memory_gib == 0.5
+    assert serve_config(model=folder).cache.memory_gib == 2.0, "no config: the defaults"
+
+
+def test_a_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"no model at .*nowhere: pass --model DIR or --config FILE"):
+        serve_config(model=tmp_path / "nowhere")
+
+
+def serve(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    command = [TANDEM, "serve", *args, "--port", "0", "--num-cpus", "2", "--prompt", "def add(a, b):"]
+    return subprocess.run([*command, "--max-tokens", "6"], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_serve_without_arguments_answers_on_the_bundled_model(tmp_path):
+    result = serve([], cwd=tmp_path)  # not the repository: nothing is read relative to it
+    assert result.returncode == 0, result.stderr
+    assert "starting Ray and the tandem-demo-code pools" in result.stderr
+    assert result.stdout.startswith("def add(a, b):") and len(result.stdout) > len("def add(a, b):")
+
+
+@pytest.mark.slow
+def test_serve_model_dir_answers_on_that_folder(tmp_path):
+    folder = init_model_folder(tmp_path / "tiny-llama", preset="tiny", dtype="float32")
+    result = serve(["--model", str(folder)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "starting Ray and the tiny-llama pools" in result.stderr
+    assert result.stdout.startswith("def add(a, b):") and "[finish: length]" in result.stderr
