@@ -103,8 +103,8 @@ def offline_generate(args: argparse.Namespace) -> None:
 
     model = load_model(args.model, args.dtype)
     tok = Tokenizer(args.model)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    prompt = tok.encode(text)
+    chat = [{"role": "user", "content": args.prompt}]
+    prompt = tok.encode_chat(chat) if args.chat else tok.encode(args.prompt)
     start = time.perf_counter()
     result = generate(
         model,

@@ -1,15 +1,22 @@
-"""The model folder's tokenizer: `tokenizer.json` (the `tokenizers` library), the chat template and
+"""The model folder's tokenizer: `tokenizer.json` (the `tokenizers` library), the chat template
+(`chat_template.jinja`, else `tokenizer_config.json`'s, a string or a list of named templates), the
 special tokens of `tokenizer_config.json`, and the stop tokens of `generation_config.json`.
+
+Chats are applied as transformers applies them: the template is rendered in a sandbox with the same
+globals and filters, then the text is encoded without adding special tokens again (the template
+writes its own BOS; the tokenizer's post-processor must not add a second one).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -31,9 +38,11 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
             raise ModelFormatError(f"cannot read {path}: {e}") from None
         config = _read_json(folder / "tokenizer_config.json")
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template = _chat_template(folder, config)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        # What a template may name, as transformers passes its special tokens map.
+        self._special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
         self.eos_token_ids = self._eos_ids(_read_json(folder / "generation_config.json"))
         self._template: jinja2.Template | None = None
 
@@ -50,22 +59,22 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat rendered to text, special tokens written out as the template writes them."""
         if self.chat_template is None:
             raise ChatTemplateError("the model has no chat template; send a text prompt instead")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
+            self._template = _environment().from_string(self.chat_template)
         try:
             return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                **self._special, messages=list(messages), add_generation_prompt=add_generation_prompt
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The chat's prompt token ids: rendered, then encoded without special tokens added again."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         eos = generation_config.get("eos_token_id")
@@ -73,6 +82,39 @@ class Tokenizer:
         if self.eos_token is not None and (tid := self.token_to_id(self.eos_token)) is not None:
             ids.append(tid)
         return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """`chat_template.jinja` when the folder has one (transformers saves templates there now), else
+    the config's: a string, or a list of {"name", "template"} of which "default" is the chat one."""
+    path = folder / "chat_template.jinja"
+    if path.exists():
+        return path.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ModelFormatError(f"{folder}: chat templates {sorted(map(str, named))} name no 'default'")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ModelFormatError(f"{folder}: chat_template must be a string or a list of named templates")
+    return template
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox with transformers' settings, globals and `tojson` (no HTML escaping)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _read_json(path: Path) -> dict[str, Any]:

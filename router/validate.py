@@ -30,7 +30,7 @@ class PromptTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str: ...
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -69,7 +69,7 @@ def _prompt(request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptT
             if not m["role"]:
                 raise InvalidRequest(f"chat.messages[{i}].role", "is empty")
         try:
-            ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+            ids = tokenizer.encode_chat(messages)
         except ValueError as e:
             raise InvalidRequest("chat", str(e)) from None
     elif kind == "token_ids":

@@ -325,7 +325,7 @@ def test_chat_messages_go_through_the_models_chat_template(grpc_cluster):
     _, _, address = grpc_cluster
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     tok = Tokenizer(DEMO)
-    expected_prompt = tok.encode(tok.apply_chat_template(messages))
+    expected_prompt = tok.encode_chat(messages)
     with Client(address) as client:
         chat = client.generate(messages, max_tokens=8, temperature=0)
         same = client.generate(expected_prompt, max_tokens=8, temperature=0)

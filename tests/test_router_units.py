@@ -18,8 +18,8 @@ class Words:
     def encode(self, text: str) -> list[int]:
         return [len(w) for w in text.split()]
 
-    def apply_chat_template(self, messages):
-        return " ".join(f"<{m['role']}> {m['content']}" for m in messages)
+    def encode_chat(self, messages):
+        return self.encode(" ".join(f"<{m['role']}> {m['content']}" for m in messages))
 
 
 def request(**fields) -> api_pb2.GenerateRequest:
