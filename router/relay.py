@@ -111,9 +111,12 @@ class Stream:
     finish_reason: int = 0
     timing: RequestTiming | None = None
     speculation: api_pb2.SpeculationStats | None = None
+    prompt_text: str = ""  # the prompt decoded, for a client that asked for it (return_prompt_text)
 
     def response(self, msg) -> api_pb2.GenerateResponse:  # type: ignore[no-untyped-def]
-        """The client's message for a worker's `WorkerTokens`; the last one carries usage and the SLO report."""
+        """The client's message for a worker's `WorkerTokens`: the first one carries the prompt's
+        length (and text, when asked for), the last one usage and the SLO report."""
+        first = not self.chunks
         self.chunks.append((time.time(), len(msg.token_ids)))
         self.generated += msg.token_ids
         text, self.carry = self.carry + msg.text, ""
@@ -122,6 +125,8 @@ class Stream:
             request_id=self.rid, text=text, token_ids=msg.token_ids, logprobs=msg.logprobs,
             finish_reason=msg.finish_reason,
         )  # fmt: skip
+        if first:
+            out.prompt_tokens, out.prompt_text = len(self.prompt), self.prompt_text
         if msg.finish_reason:
             self.timing = timing = RequestTiming(self.received, tuple(self.chunks))
             cached = self.cached_tokens if self.cached_tokens is not None else msg.num_cached_tokens

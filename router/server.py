@@ -173,6 +173,8 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                 with self._lock:
                     self._in_flight += 1
                 stream = Stream(rid, prompt, received, self._targets(request))
+                if request.return_prompt_text:
+                    stream.prompt_text = self.tokenizer.decode(prompt)
                 yield from self._generate(stream, params, context, trace.set_span_in_context(root))
                 status = stream.status
                 account(self.telemetry, self.slo, root, stream)

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP face, driven by the official `openai` client: completions and chat,
 streamed and not, usage, n, logprobs, the error shapes and statuses, models, health, metrics, and
-a client that disconnects mid-stream freeing its KV. Servers run in this process on loopback."""
+a client that disconnects mid-stream freeing its KV; every row of the field tables (docs/openai.md)
+through the client, echo for text and token prompts, the prefix cache's tokens in usage, and usage
+in every chunk. Servers run in this process on loopback."""
 
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import threading
 import time
@@ -14,11 +17,14 @@ import openai
 import pytest
 
 from cluster.config import parse_config
+from cluster.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
 from router import server as router_server
 from router.client import Client
 from router.http import HTTPServer, create_app
+from router.openai_fields import REFUSED, TABLES, rows
+from tests.test_openai_fields import ROWS, base_body, body_with, example
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
 KEY = "sk-tandem-test"
@@ -187,3 +193,114 @@ def test_models_health_and_metrics(served):
     conn, metrics = raw(base, "GET", "/metrics", key=None)
     assert metrics.status == 200 and b"tandem_ttft_seconds_count" in metrics.read()
     conn.close()
+
+
+def send(api: openai.OpenAI, endpoint: str, body: dict):
+    """`body` through the official client: its typed parameters where it has them, the rest as
+    extra_body. A stream is read to its end (a list of chunks)."""
+    create = api.completions.create if endpoint == "/v1/completions" else api.chat.completions.create
+    typed = set(inspect.signature(create).parameters)
+    extra = {k: v for k, v in body.items() if k not in typed}
+    result = create(**{k: v for k, v in body.items() if k in typed}, extra_body=extra or None)
+    return list(result) if body.get("stream") else result
+
+
+def test_every_field_of_the_tables_through_the_openai_client(served):
+    """Refused rows are 400 naming the field (their accepted values are not); the others are 200.
+    What each honoured row changes is test_openai_fields.py's; the echo, usage and streaming rows
+    are checked in full below."""
+    api = client(served[0])
+    for endpoint, name in ROWS:
+        field = dict(rows(TABLES[endpoint]))[name]
+        body = body_with(endpoint, name, example(endpoint, name))
+        if field.decision != REFUSED:
+            send(api, endpoint, body)
+            continue
+        with pytest.raises(openai.BadRequestError) as refused:
+            send(api, endpoint, body)
+        assert refused.value.param == name.replace("[]", "[0]"), (endpoint, name)
+        assert refused.value.type == "invalid_request_error"
+        for value in field.neutral:
+            send(api, endpoint, body_with(endpoint, name, value))
+
+
+def test_null_is_absent_and_unknown_fields_are_refused_over_raw_http(served):
+    base = served[0]
+    for endpoint, table in TABLES.items():
+        nulls = {name: None for name in table if name not in ("prompt", "messages")}
+        conn, response = raw(base, "POST", endpoint, {**nulls, **base_body(endpoint)} | {"stream": None})
+        assert response.status == 200, response.read()
+        conn.close()
+        for extra, param in [({"tempreature": 1}, "tempreature"), ({"stream": True, "stream_options": {"x": 1}},
+                             "stream_options.x")]:  # fmt: skip
+            conn, response = raw(base, "POST", endpoint, {**base_body(endpoint), **extra})
+            error = json.loads(response.read())["error"]
+            assert response.status == 400 and error["param"] == param and "Unrecognized" in error["message"]
+            conn.close()
+
+
+def test_echo_for_text_and_token_prompts_whole_and_streamed(served):
+    base = served[0]
+    prompt, ids = "def add(a, b):", Tokenizer(DEMO).encode("def add(a, b):")
+    args = {"model": "tandem-demo-code", "max_tokens": 8, "temperature": 0}
+    completion = client(base).completions.create(prompt=prompt, **args).choices[0].text
+    echoed = client(base).completions.create(prompt=prompt, echo=True, **args)
+    assert echoed.choices[0].text == prompt + completion
+    decoded = Tokenizer(DEMO).decode(ids)
+    by_ids = client(base).completions.create(prompt=ids, echo=True, n=2, **args)
+    assert [c.text for c in by_ids.choices] == [decoded + completion] * 2
+    for sent, text in ((prompt, prompt), (ids, decoded)):
+        chunks = list(client(base).completions.create(prompt=sent, echo=True, stream=True, **args))
+        assert chunks[0].choices[0].text == text and "".join(c.choices[0].text for c in chunks) == text + completion
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(base).completions.create(prompt=prompt, echo=True, logprobs=1, **args)
+    assert refused.value.param == "echo"
+
+
+def test_cached_tokens_are_what_the_prefix_cache_served(served):
+    """The same long prompt twice: the second's usage reports the prefix cache's tokens, whole
+    blocks, as the gRPC API does; whole and streamed, on both endpoints."""
+    base, grpc_address, _, _ = served
+    prompt = "".join(f"total_{i} = sum(range({i}))\n" for i in range(12))
+    messages = [{"role": "user", "content": prompt}]
+    args = {"model": "tandem-demo-code", "max_tokens": 2, "temperature": 0}
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    api = client(base)
+    with Client(grpc_address, api_key=KEY) as native:
+        endpoints = [(api.completions.create, {"prompt": prompt}, prompt),
+                     (api.chat.completions.create, {"messages": messages}, messages)]  # fmt: skip
+        for create, sent, native_prompt in endpoints:
+            create(**sent, **args)
+            second = create(**sent, **args).usage
+            cached = second.prompt_tokens_details.cached_tokens
+            assert 0 < cached < second.prompt_tokens and cached % 16 == 0
+            assert native.generate(native_prompt, max_tokens=2, temperature=0).cached_prompt_tokens == cached
+            streamed = list(create(**sent, **args, **usage))[-1].usage
+            assert streamed.prompt_tokens_details.cached_tokens == cached
+            assert streamed.prompt_tokens == second.prompt_tokens
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
+    base = served[0]
+    args = {
+        "model": "tandem-demo-code",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client(base).completions.create(prompt="import os\n", n=2, stream_options=options, **args))
+    last = chunks[-1]
+    assert not last.choices and last.usage.completion_tokens == 10 and last.usage.prompt_tokens_details
+    so_far = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert so_far == sorted(so_far) and so_far[-1] == 10 and len(chunks) == 11
+    assert all(c.usage.prompt_tokens == last.usage.prompt_tokens > 0 for c in chunks)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    messages = [{"role": "user", "content": "hi"}]
+    chunks = list(
+        client(base).chat.completions.create(messages=messages, stream_options={"continuous_usage_stats": True}, **args)
+    )
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 4, 5]  # no usage-only chunk
+    plain = list(client(base).chat.completions.create(messages=messages, **args))
+    assert all(c.usage is None for c in plain)

@@ -96,20 +96,22 @@ class LatencyBudget(_message.Message):
     def __init__(self, ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "budget")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "budget", "return_prompt_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatPrompt
     token_ids: TokenIds
     sampling: SamplingParams
     budget: LatencyBudget
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., budget: _Optional[_Union[LatencyBudget, _Mapping]] = ...) -> None: ...
+    return_prompt_text: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., budget: _Optional[_Union[LatencyBudget, _Mapping]] = ..., return_prompt_text: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -140,7 +142,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "slo", "speculation", "beams")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "slo", "speculation", "beams", "prompt_tokens", "prompt_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,8 @@ class GenerateResponse(_message.Message):
     SLO_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     BEAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,7 +163,9 @@ class GenerateResponse(_message.Message):
     slo: SloReport
     speculation: SpeculationStats
     beams: _containers.RepeatedCompositeFieldContainer[Beam]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., slo: _Optional[_Union[SloReport, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ...) -> None: ...
+    prompt_tokens: int
+    prompt_text: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., slo: _Optional[_Union[SloReport, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "acceptance_rate", "tokens_per_pass")

@@ -1,0 +1,186 @@
+"""An OpenAI request body as a `tandem.v1.GenerateRequest` and the shape of its reply (`Plan`).
+
+The body is first checked against its endpoint's field table (`router.openai_fields`); every
+honoured field is then read here. Raises `FieldError` naming the field. Pure: no gRPC calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.v1 import api_pb2
+
+from cluster.request import EARLY_STOPPING
+from router.openai_fields import CHAT, COMPLETIONS, FieldError, check
+
+SAMPLING = {  # body field -> tandem.v1.SamplingParams field (stop_token_ids is a list)
+    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids", "speculative_tokens": "speculative_tokens", "num_beams": "num_beams",
+    "length_penalty": "length_penalty",
+}  # fmt: skip
+BUDGET = ("ttft_seconds", "tpot_seconds")  # body field = tandem.v1.LatencyBudget field
+UINT32 = 2**32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to ask the cluster (`n` calls of `request`) and how to answer."""
+
+    request: api_pb2.GenerateRequest
+    chat: bool
+    n: int
+    stream: bool
+    include_usage: bool  # a last chunk with the whole usage
+    continuous_usage: bool  # usage so far in every chunk
+    echo: bool
+    prompt_text: str | None  # a text prompt as sent (echoed); None: the router returns it (token ids)
+
+
+def completion_plan(body: dict[str, Any]) -> Plan:
+    check(body, COMPLETIONS)
+    prompt = _completion_prompt(body.get("prompt"))
+    echo = _flag(body, "echo")
+    if echo and body.get("logprobs") is not None:
+        raise FieldError("echo", "echo with logprobs needs the prompt's log-probabilities, which are not computed")
+    request = _request(body, prompt, chat=False)
+    text = prompt.get("text")
+    request.return_prompt_text = echo and text is None
+    return _plan(body, request, chat=False, echo=echo, prompt_text=text)
+
+
+def chat_plan(body: dict[str, Any]) -> Plan:
+    check(body, CHAT)
+    request = _request(body, {"chat": _chat_prompt(body.get("messages"))}, chat=True)
+    return _plan(body, request, chat=True, echo=False, prompt_text=None)
+
+
+def _plan(
+    body: dict[str, Any], request: api_pb2.GenerateRequest, chat: bool, echo: bool, prompt_text: str | None
+) -> Plan:
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _integer(n) or not 1 <= n <= 16:
+        raise FieldError("n", "n must be an integer in [1, 16]")
+    stream, options = _flag(body, "stream"), body.get("stream_options")
+    if options is not None and not stream:
+        raise FieldError("stream_options", "stream_options is only allowed with stream: true")
+    if not isinstance(options or {}, dict):
+        raise FieldError("stream_options", "stream_options must be an object")
+    usage = _flag(options or {}, "include_usage", "stream_options.")
+    continuous = _flag(options or {}, "continuous_usage_stats", "stream_options.")
+    return Plan(request, chat, n, stream, usage, continuous, echo, prompt_text)
+
+
+def _completion_prompt(prompt: Any) -> dict[str, Any]:
+    """The GenerateRequest prompt field of a completions body."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and prompt and all(_integer(t) and 0 <= t < UINT32 for t in prompt):
+        return {"token_ids": api_pb2.TokenIds(ids=prompt)}
+    raise FieldError("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
+
+
+def _chat_prompt(messages: Any) -> api_pb2.ChatPrompt:
+    if not isinstance(messages, list) or not messages:
+        raise FieldError("messages", "messages must be a non-empty list")
+    return api_pb2.ChatPrompt(messages=[_message(m, f"messages[{i}]") for i, m in enumerate(messages)])
+
+
+def _message(m: Any, where: str) -> api_pb2.ChatMessage:
+    if not isinstance(m, dict):
+        raise FieldError(where, f"{where} must be an object")
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        raise FieldError(f"{where}.role", f"{where}.role must be a non-empty string")
+    if content is None and role == "assistant":
+        content = m.get("refusal") or ""
+    if isinstance(content, list):
+        content = "".join(_part(p, f"{where}.content[{j}]", role) for j, p in enumerate(content))
+    if not isinstance(content, str):
+        raise FieldError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+    return api_pb2.ChatMessage(role="system" if role == "developer" else role, content=content)
+
+
+def _part(part: Any, where: str, role: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = "text" if kind == "text" else "refusal" if kind == "refusal" and role == "assistant" else None
+    if key is None or not isinstance(part.get(key), str):
+        raise FieldError(f"{where}.type", f"{where}: only text parts (and an assistant's refusal parts) are read")
+    return str(part[key])
+
+
+def _request(body: dict[str, Any], prompt: dict[str, Any], chat: bool) -> api_pb2.GenerateRequest:
+    request = api_pb2.GenerateRequest(sampling=_sampling(body, chat), **prompt)
+    for key in BUDGET:
+        if body.get(key) is not None:
+            _set(request.budget, key, body[key], key)
+    return request
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> api_pb2.SamplingParams:
+    sampling = api_pb2.SamplingParams(max_tokens=_max_tokens(body, chat))
+    for key, field in SAMPLING.items():
+        if body.get(key) is not None:
+            _set(sampling, field, body[key], key)
+    stop = body.get("stop")
+    if stop is not None:
+        if not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise FieldError("stop", "stop must be a string or a list of strings")
+        sampling.stop.extend([stop] if isinstance(stop, str) else stop)
+    early = body.get("early_stopping")
+    if early is not None:
+        early = {True: "true", False: "false"}.get(early, early) if isinstance(early, bool) else early
+        if not isinstance(early, str) or early not in EARLY_STOPPING:
+            raise FieldError("early_stopping", 'early_stopping must be true, false or "never"')
+        sampling.early_stopping = EARLY_STOPPING[early]
+    if chat:
+        top = body.get("top_logprobs")
+        if _flag(body, "logprobs"):
+            sampling.logprobs = _count(0 if top is None else top, "top_logprobs")
+        elif top is not None:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+    elif body.get("logprobs") is not None:
+        sampling.logprobs = _count(body["logprobs"], "logprobs")
+    return sampling
+
+
+def _max_tokens(body: dict[str, Any], chat: bool) -> int:
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(key)
+    if value is None:
+        return 0 if chat else 16  # chat: up to the context window; completions: OpenAI's default
+    if not _integer(value) or not 1 <= value < UINT32:
+        raise FieldError(key, f"{key} must be an integer >= 1")
+    return int(value)
+
+
+def _set(message: Any, field: str, value: Any, key: str) -> None:
+    try:
+        if hasattr(getattr(message, field), "extend"):  # a repeated field
+            getattr(message, field).extend(value)
+        else:
+            setattr(message, field, value)
+    except (TypeError, ValueError) as e:
+        raise FieldError(key, f"{key}: {e}") from None
+
+
+def _count(value: Any, key: str) -> int:
+    if not _integer(value) or not 0 <= value < UINT32:
+        raise FieldError(key, f"{key} must be an integer >= 0")
+    return int(value)
+
+
+def _flag(body: dict[str, Any], key: str, prefix: str = "") -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise FieldError(prefix + key, f"{prefix}{key} must be true or false")
+    return bool(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

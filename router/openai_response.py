@@ -1,0 +1,149 @@
+"""The OpenAI reply to a completion's `tandem.v1.Generate` calls, one per choice: a whole body
+(`collect`) or server-sent events (`stream`).
+
+Usage counts the prompt once (for n > 1, the first choice's prefix-cache hit is
+`prompt_tokens_details.cached_tokens`) and every choice's completion tokens. An echoed prompt leads
+its choice's text; streamed, it is the choice's first chunk. `stream` ends every choice's call when
+the client goes away, and the cluster frees their KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from tandem.v1 import api_pb2
+
+from router.openai_request import Plan
+
+FINISH = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
+_OMIT = object()
+
+
+@dataclass(frozen=True)
+class Reply:
+    rid: str
+    created: int
+    model: str
+    plan: Plan
+    echoes: list[str]  # per choice: the prompt text that leads it ("" without echo)
+
+    def body(self, choices: list[dict[str, Any]], usage: Any = _OMIT) -> dict[str, Any]:
+        chat = "chat.completion.chunk" if self.plan.stream else "chat.completion"
+        kind = chat if self.plan.chat else "text_completion"
+        out = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not _OMIT:
+            out["usage"] = usage
+        return out
+
+
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
+    out["total_tokens"] = prompt + completion
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+async def _rest(call, first) -> AsyncIterator[api_pb2.GenerateResponse]:  # type: ignore[no-untyped-def]
+    """The call's messages from `first` on (read with `read()`: gRPC forbids mixing it with iteration)."""
+    m = first
+    while m is not grpc.aio.EOF:
+        yield m
+        m = await call.read()
+
+
+def _logprobs(messages: list[api_pb2.GenerateResponse], chat: bool) -> dict[str, Any] | None:
+    entries = [lp for m in messages for lp in m.logprobs]
+    if not entries:
+        return None
+    if chat:
+        return {
+            "content": [
+                {"token": str(lp.token_id), "logprob": lp.logprob,
+                 "top_logprobs": [{"token": str(t.token_id), "logprob": t.logprob} for t in lp.top]}
+                for lp in entries
+            ]
+        }  # fmt: skip
+    return {
+        "tokens": [str(lp.token_id) for lp in entries],
+        "token_logprobs": [lp.logprob for lp in entries],
+        "top_logprobs": [{str(t.token_id): t.logprob for t in lp.top} for lp in entries],
+        "text_offset": [],
+    }
+
+
+async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The whole response; a call's gRPC error propagates."""
+    chat, choices, usages = reply.plan.chat, [], []
+    for index, (call, first) in enumerate(zip(calls, firsts, strict=True)):
+        messages = [m async for m in _rest(call, first)]
+        text = reply.echoes[index] + "".join(m.text for m in messages)
+        last = messages[-1] if messages else api_pb2.GenerateResponse()
+        usages.append(last.usage)
+        choice: dict[str, Any] = {"index": index, "finish_reason": FINISH.get(last.finish_reason, "stop"),
+                                  "logprobs": _logprobs(messages, chat)}  # fmt: skip
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choices.append(choice)
+    completion = sum(u.completion_tokens for u in usages)
+    return reply.body(choices, usage(usages[0].prompt_tokens, completion, usages[0].cached_prompt_tokens))
+
+
+def _choice(reply: Reply, index: int, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+    if not reply.plan.chat:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+    delta = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+
+async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: ignore[no-untyped-def]
+    """Server-sent events: each choice's deltas as they arrive, the usage chunk, `[DONE]`."""
+    plan = reply.plan
+    queue: asyncio.Queue[tuple[int, api_pb2.GenerateResponse | None]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for m in _rest(calls[index], firsts[index]):
+                await queue.put((index, m))
+        finally:
+            await queue.put((index, None))
+
+    def event(choices: list[dict[str, Any]]) -> bytes:
+        so_far = usage(prompt, sum(done)) if plan.continuous_usage else None if plan.include_usage else _OMIT
+        return f"data: {json.dumps(reply.body(choices, so_far))}\n\n".encode()
+
+    prompt = getattr(firsts[0], "prompt_tokens", 0)
+    done, final = [0] * len(calls), [api_pb2.Usage() for _ in calls]  # completion tokens so far; last usages
+    started = [False] * len(calls)
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(calls))]
+    try:
+        for index, echo in enumerate(reply.echoes):
+            if echo:
+                started[index] = True
+                yield event([_choice(reply, index, echo, None, first=True)])
+        open_choices = len(calls)
+        while open_choices:
+            index, m = await queue.get()
+            if m is None:
+                open_choices -= 1
+                continue
+            done[index] = m.usage.completion_tokens if m.finish_reason else done[index] + len(m.token_ids)
+            if m.finish_reason:
+                final[index] = m.usage
+            finish = FINISH.get(m.finish_reason) if m.finish_reason else None
+            choice = _choice(reply, index, m.text, finish, first=not started[index])
+            choice["logprobs"], started[index] = _logprobs([m], plan.chat), True
+            yield event([choice])
+        if plan.include_usage:
+            whole = usage(prompt, sum(done), final[0].cached_prompt_tokens)
+            yield f"data: {json.dumps(reply.body([], whole))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:  # a client that disconnects cancels every choice: the cluster frees their KV
+        for call in calls:
+            call.cancel()
+        for task in tasks:
+            task.cancel()
