@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--port", type=int, default=None, help="router port (default: router.port in the config)")
     serve.add_argument("--prompt", default=None, help="answer this prompt through the client SDK, then stop")
+    serve.add_argument("--chat", action="store_true", help="send --prompt as a user message of a chat")
     serve.add_argument("--max-tokens", type=int, default=48, help="tokens for --prompt (default: 48)")
     serve.add_argument("--keep-serving", action="store_true", help="with --prompt: keep serving afterwards")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
@@ -129,7 +130,8 @@ def _serve(args: argparse.Namespace) -> int:
             keys = api_keys(config.auth)
             key = keys[0].decode() if keys else None
             ca = str(config.auth.tls_ca) if config.auth.tls_cert and config.auth.tls_ca else None
-            _stream(address, args.prompt, api_key=key, tls_ca=ca, max_tokens=args.max_tokens, temperature=0.0)
+            prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+            _stream(address, prompt, api_key=key, tls_ca=ca, max_tokens=args.max_tokens, temperature=0.0)
             if not args.keep_serving:
                 return 0
         stop = threading.Event()
@@ -182,6 +184,8 @@ def _stream(target: str, prompt, timeout=120.0, api_key=None, tls_ca=None, **sam
     with Client(target, api_key=api_key, timeout=timeout, tls_ca=tls_ca) as client:
         if isinstance(prompt, str):
             print(prompt, end="", flush=True)
+        else:  # a chat: each message, then the assistant's answer
+            print("".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: ", end="", flush=True)
         reason = None
         for delta in client.stream(prompt, **sampling):
             print(delta.text, end="", flush=True)
