@@ -134,8 +134,7 @@ def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tu
     for the probe's 256 MB sweep through the caches and the TLB (about 0.4 ms at batch 1 here),
     which a decode loop never makes."""
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
-    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids, None)
-            for c in plan.chunks]  # fmt: skip
+    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
     probe = _probe(device)
     a = _matmul_operand(engine.runner.model.embed_tokens.weight.dtype, device)
     steps: list[float] = []

@@ -3,7 +3,8 @@
 One transfer is a header, then one chunk per group of layers, then a commit:
 
     header  request id, model fingerprint, dtype, layer count, KV heads, head dim, block size,
-            the token ids [0, num_tokens), the sampling parameters, format version
+            the token ids [0, num_tokens) (the last num_output_tokens of them output a moved
+            request already generated), the sampling parameters, format version
     chunk   layers [layer_start, layer_start + layer_count): key and value tensors shaped
             [layer_count, num_tokens, num_kv_heads, head_dim] as raw little-endian bytes (an int8
             cache's rows, values and scale, as they are: head_dim + 4 bytes), and the CRC32 of key
@@ -70,6 +71,7 @@ class KVHeader:
     group_id: str = ""  # collective transport: the group carrying the tensors
     tag: int = 0
     format_version: int = FORMAT_VERSION
+    num_output_tokens: int = 0  # of token_ids, the last ones that are output a moved request generated
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +171,7 @@ def encode_header(h: KVHeader) -> pb.KVTransferMessage:
             sampling=params_to_proto(h.sampling),
             group_id=h.group_id,
             tag=h.tag,
+            num_output_tokens=h.num_output_tokens,
         )
     )
 
@@ -185,6 +188,11 @@ def decode_header(m: pb.KVHeader) -> KVHeader:
         raise TransferError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"header carries {len(m.token_ids)} token ids for num_tokens={m.num_tokens}; needs at least one",
+        )
+    if m.num_output_tokens >= m.num_tokens:
+        raise TransferError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"num_output_tokens={m.num_output_tokens} leaves no prompt among {m.num_tokens} tokens",
         )
     try:
         sampling = params_from_proto(m.sampling)
@@ -204,6 +212,7 @@ def decode_header(m: pb.KVHeader) -> KVHeader:
         group_id=m.group_id,
         tag=m.tag,
         format_version=m.format_version,
+        num_output_tokens=m.num_output_tokens,
     )
 
 

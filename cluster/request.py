@@ -1,8 +1,9 @@
 """One request's state, counted: its token ids, how many are prompt, and how many have KV computed;
 and the plan of one forward pass over many requests.
 
-Prefill, chunked prefill, recompute after preemption and admission of a transferred KV cache are
-all the same thing: `num_computed_tokens` catching up with `num_tokens`. A request is WAITING (not
+Prefill, chunked prefill, recompute after preemption, a request moved from a failed worker (it
+arrives with the output it already generated) and admission of a transferred KV cache are all the
+same thing: `num_computed_tokens` catching up with `num_tokens`. A request is WAITING (not
 holding blocks), RUNNING (holding blocks, in the batch) or FINISHED. Shared by both workers; no torch.
 """
 

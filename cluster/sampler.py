@@ -2,10 +2,20 @@
 
 Each row of the logits belongs to one request with its own `SamplingParams`. The parameters are
 gathered into per-row tensors once per step and every transform runs on the whole batch. Random
-draws use the exponential race (argmax of probs / Exp(1) noise, equivalent to sampling from probs);
-a request with a seed draws its noise from its own generator, so its tokens do not depend on what
-else is in the batch. Logprobs are those of the model's raw distribution (before penalties and
-temperature), as the OpenAI API reports them.
+draws use the exponential race: the token is argmax(probs / E), E a vector of Exp(1) noise, one
+entry per vocabulary token (equivalent to sampling from probs, and unmoved by the last-bit
+differences that another batch shape gives the logits). Logprobs are those of the model's raw
+distribution (before penalties and temperature), as the OpenAI API reports them.
+
+The seeded rule: a request with a seed draws the token at output index i (its position in the
+request's whole output: i tokens came before it, wherever they were sampled) with the noise
+`noise(seed, i, vocab)`, a pure function (counter-based: splitmix64 over a key mixed from seed
+and index, one counter per vocabulary entry). A seeded draw depends on (seed, index, the row's
+logits) and nothing else: not the batch, the worker or the draws before it. So a seeded request
+gives the same tokens alone or in any batch, preempted and recomputed, moved to another worker
+after a failure, with its first token sampled on a prefill worker, and with or without speculative
+decoding: verification and the draft model take the token at index i from that same noise
+(`verify`). Rows without a seed draw keys for their noise from the sampler's own generator.
 """
 
 from __future__ import annotations
@@ -17,16 +27,63 @@ import torch
 
 from cluster.request import SamplingParams
 
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # and its finaliser's multipliers
+
+
+def _signed(x: int) -> int:
+    """A 64-bit word as the int64 that holds its bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _fmix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    return z ^ (z >> 31)
+
+
+def noise_key(seed: int, index: int) -> int:
+    """The 64-bit key of a seeded request's draw at output index `index`. For one seed, distinct
+    indices give distinct keys; nearby seeds or indices give unrelated ones."""
+    h = _fmix64(((seed & _MASK) + _GOLDEN) & _MASK)
+    return _fmix64(((h ^ (index & _MASK)) + _GOLDEN) & _MASK)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] float32 Exp(1) noise, row r a pure function of `keys[r]` (int64 [n]): entry j is
+    splitmix64's output j + 1 for the state `keys[r]`, its top 23 bits k as u = (2k + 1) / 2**24
+    (exact in float32, never 0 or 1), and the noise -log(u). Integer products wrap modulo 2**64;
+    right shifts are masked to act as logical ones."""
+    counters = torch.arange(1, vocab + 1, dtype=torch.int64) * _signed(_GOLDEN)
+    z = keys[:, None] + counters
+    z ^= (z >> 30) & ((1 << 34) - 1)
+    z *= _signed(_M1)
+    z ^= (z >> 27) & ((1 << 37) - 1)
+    z *= _signed(_M2)
+    z ^= (z >> 31) & ((1 << 33) - 1)
+    u = ((z >> 41) & 0x7FFFFF).float().mul_(2).add_(1).mul_(2.0**-24)
+    return u.log_().neg_()
+
+
+def noise(seed: int, index: int, vocab: int) -> torch.Tensor:
+    """[vocab] the Exp(1) noise a request with `seed` draws its output token `index` with."""
+    return exponential_noise(torch.tensor([_signed(noise_key(seed, index))]), vocab)[0]
+
 
 @dataclass(frozen=True)
 class SampleRow:
-    """One row of a step's logits: the request's parameters and the tokens it has seen."""
+    """One row of a step's logits: the request's parameters and the tokens it has seen. The row
+    picks output token `index`, the count of its output tokens so far."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None  # the request's own, when it has a seed
     suppressed: tuple[int, ...] = ()  # token ids not allowed this step (EOS before min_tokens)
+
+    @property
+    def index(self) -> int:
+        return len(self.output_token_ids)
 
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability and the top n alternatives
@@ -58,17 +115,17 @@ class SampleResult:
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0) -> None:
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed of their own
+        self.generator = torch.Generator().manual_seed(seed)  # noise keys of rows without a seed
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:  # logits [B, V] float32
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = self._adjust(logits, rows)
         tokens = logits.argmax(dim=-1)
-        if not all(r.params.greedy for r in rows):
-            greedy = torch.tensor([r.params.greedy for r in rows])
-            sampled = self._draw(self._probs(logits, rows), rows)
-            tokens = torch.where(greedy, tokens, sampled)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            picked = [rows[i] for i in sampled]
+            tokens[sampled] = self.draw(self._probs(logits[sampled], picked), picked)
         token_ids = tokens.tolist()
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None)
@@ -88,49 +145,50 @@ class Sampler:
             probs[sampled] = self._probs(logits[sampled], [rows[i] for i in sampled])
         return probs
 
+    def draw(self, probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """[B] one token per row from the (unnormalised) distributions `probs` [B, V]: the
+        exponential race, with each seeded row's noise that of its (seed, index)."""
+        return (probs / self.noise(rows)).argmax(dim=-1)
+
+    def noise(self, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """[B, V] Exp(1) noise for each row's next token: `noise(seed, index)` for a seeded row,
+        from a key the sampler's generator draws for any other."""
+        keys = torch.randint(-(2**63), 2**63 - 1, (len(rows),), generator=self.generator, dtype=torch.int64)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                keys[i] = _signed(noise_key(row.params.seed, row.index))
+        return exponential_noise(keys, self.vocab_size)
+
     def verify(self, logits: torch.Tensor, rows: Sequence[SampleRow], drafts: Sequence[Draft]) -> VerifyResult:
         """Speculative decoding's acceptance step. For each request, `drafts` holds the k proposed
         tokens and `logits`/`rows` hold k + 1 consecutive rows: the target model's prediction before
         each draft token and one past the last (each row's history includes the drafts before it).
 
-        Greedy rows keep the drafts that equal the target's argmax, then add the argmax where they
-        first differ (or past the end): exactly the tokens of plain greedy decoding. Sampled rows use
-        the rejection rule of speculative sampling: draft token x, proposed with probability q(x),
-        is kept with probability min(1, p(x) / q(x)); the first rejected one is replaced by a sample
-        from the residual max(0, p - q), renormalised; if all are kept, one more token is sampled
-        from the last row. The output then follows the target distribution p exactly. A proposer
-        without probabilities (n-gram lookup) proposes deterministically: q is a point mass."""
+        Greedy and seeded rows take, at each position, the token plain decoding would take there
+        (the argmax; the seeded draw of that output index), keep the drafts that equal it, then
+        add it where they first differ (or past the end): exactly the tokens of plain decoding,
+        whatever was drafted. A seeded draft x is thus kept with probability p(x) when the proposer
+        is deterministic, as in the rule below; a draft model drawing with the same noise
+        (`DraftProposer`) has its token kept whenever both draws agree.
+
+        Unseeded sampled rows use the rejection rule of speculative sampling: draft token x,
+        proposed with probability q(x), is kept with probability min(1, p(x) / q(x)); the first
+        rejected one is replaced by a sample from the residual max(0, p - q), renormalised; if all
+        are kept, one more token is sampled from the last row. The output then follows the target
+        distribution p exactly. A proposer without probabilities (n-gram lookup) proposes
+        deterministically: q is a point mass."""
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
         probs = self.probabilities(logits, rows)
+        exact = self._exact(probs, rows)
         token_ids, accepted, positions = [], [], []
         offset = 0
         for draft in drafts:
             k = len(draft.tokens)
-            row = rows[offset]
-            generator = row.generator or self.generator
-            tokens: list[int] = []
-            for j, x in enumerate(draft.tokens):
-                p = probs[offset + j]
-                if row.params.greedy:
-                    keep = bool(p[x] == 1)
-                    q = None
-                else:
-                    q = draft.probs[j] if draft.probs is not None else None
-                    qx = float(q[x]) if q is not None else 1.0
-                    keep = float(torch.rand((), generator=generator)) * qx < float(p[x])
-                if keep:
-                    tokens.append(x)
-                    continue
-                if row.params.greedy:
-                    tokens.append(int(p.argmax()))
-                else:
-                    residual = (p - q).clamp_(min=0) if q is not None else p.clone().index_fill_(0, torch.tensor(x), 0)
-                    tokens.append(self.draw_one(residual if bool(residual.sum() > 0) else p, generator))
-                break
+            if exact[offset] is not None:
+                tokens = _follow(draft.tokens, exact[offset : offset + k + 1])  # type: ignore[arg-type]
             else:
-                p = probs[offset + k]
-                tokens.append(int(p.argmax()) if row.params.greedy else self.draw_one(p, generator))
+                tokens = self._speculative_sample(probs[offset : offset + k + 1], draft)
             token_ids.append(tokens)
             accepted.append(len(tokens) - 1)
             positions.append(list(range(offset, offset + len(tokens))))
@@ -146,10 +204,39 @@ class Sampler:
             at += len(ts)
         return VerifyResult(token_ids, accepted, logprobs)
 
-    def skip(self, generator: torch.Generator) -> None:
-        """Advances a seeded request's generator past one sampled token (drawn where it was sampled
-        elsewhere, as a prefill worker does), so its later tokens match a single-process run."""
-        torch.empty(self.vocab_size).exponential_(generator=generator)
+    def _exact(self, probs: torch.Tensor, rows: Sequence[SampleRow]) -> list[int | None]:
+        """Each row's plain-decoding token where it is fixed by the row alone: the argmax of a greedy
+        row, the seeded draw of a seeded one; None for an unseeded sampled row."""
+        tokens = probs.argmax(dim=-1)
+        seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is not None]
+        if seeded:
+            tokens[seeded] = self.draw(probs[seeded], [rows[i] for i in seeded])
+        out: list[int | None] = list(tokens.tolist())
+        for i, row in enumerate(rows):
+            if not row.params.greedy and row.params.seed is None:
+                out[i] = None
+        return out
+
+    def _speculative_sample(self, probs: torch.Tensor, draft: Draft) -> list[int]:
+        """The rejection rule (see `verify`) for one unseeded request: `probs` [k + 1, V]."""
+        tokens: list[int] = []
+        for j, x in enumerate(draft.tokens):
+            p = probs[j]
+            q = draft.probs[j] if draft.probs is not None else None
+            qx = float(q[x]) if q is not None else 1.0
+            if float(torch.rand((), generator=self.generator)) * qx < float(p[x]):
+                tokens.append(x)
+                continue
+            residual = (p - q).clamp_(min=0) if q is not None else p.clone().index_fill_(0, torch.tensor(x), 0)
+            tokens.append(self._draw_unseeded(residual if bool(residual.sum() > 0) else p))
+            return tokens
+        tokens.append(self._draw_unseeded(probs[len(draft.tokens)]))
+        return tokens
+
+    def _draw_unseeded(self, probs: torch.Tensor) -> int:
+        """One token from the (unnormalised) distribution `probs` [V], with noise of a fresh key."""
+        key = torch.randint(-(2**63), 2**63 - 1, (1,), generator=self.generator, dtype=torch.int64)
+        return int((probs / exponential_noise(key, probs.shape[-1])[0]).argmax())
 
     def _raw_logprobs(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor | None:
         return torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
@@ -207,33 +294,39 @@ class Sampler:
         return counts
 
     def _probs(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p: the [B, V] distribution sampled rows draw from."""
+        """Temperature, top-k, top-p and min-p: the [B, V] distribution sampled rows draw from. Each
+        row's filters touch that row only (a neighbour's top-p never reshapes it)."""
         temperature = torch.tensor([r.params.temperature or 1.0 for r in rows])
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows])
-        top_p = torch.tensor([r.params.top_p for r in rows])
         min_p = torch.tensor([r.params.min_p for r in rows])
         logits = logits / temperature[:, None]
-        if bool((top_k < self.vocab_size).any() or (top_p < 1).any()):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            rank = torch.arange(logits.shape[-1])[None, :]
-            drop = rank >= top_k[:, None]
-            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            # Drop a token once the mass strictly before it already reaches top_p (the top one always stays).
-            drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        filtered = [i for i, r in enumerate(rows) if 0 < r.params.top_k < self.vocab_size or r.params.top_p < 1]
+        if filtered:
+            logits[filtered] = self._top_k_top_p(logits[filtered], [rows[i] for i in filtered])
         probs = torch.softmax(logits, dim=-1)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
-    def _draw(self, probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
-        return (probs / noise).argmax(dim=-1)
+    def _top_k_top_p(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """`logits` with every token outside each row's top-k and top-p set to -inf."""
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows])
+        top_p = torch.tensor([r.params.top_p for r in rows])
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[-1])[None, :]
+        drop = rank >= top_k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Drop a token once the mass strictly before it already reaches top_p (the top one always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
-    @staticmethod
-    def draw_one(probs: torch.Tensor, generator: torch.Generator) -> int:
-        """One token from the (unnormalised) distribution `probs` [V]."""
-        return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
+
+def _follow(drafted: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The drafts that equal the target tokens, then the first target that differs (or the one past
+    the last draft): `targets` has one more entry than `drafted`."""
+    tokens = []
+    for x, t in zip(drafted, targets, strict=False):
+        tokens.append(t)
+        if x != t:
+            return tokens
+    tokens.append(targets[len(drafted)])
+    return tokens

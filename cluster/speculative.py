@@ -3,8 +3,8 @@
 Decode reads every weight once per step however many tokens the step checks, so a pass that
 scores k guessed tokens costs about what a pass that makes one does. A proposer guesses; the
 target model scores every guess in one pass; `Sampler.verify` keeps the guesses the target agrees
-with (exactly, for greedy requests; in distribution, for sampled ones) and adds one token of its
-own. Rejected guesses leave nothing behind: the scheduler trims the blocks that held their KV.
+with (exactly, for greedy and seeded requests; in distribution, for other sampled ones) and adds
+one token of its own. Rejected guesses leave nothing behind: the scheduler trims the blocks that held their KV.
 
     drafts = proposer.propose(requests, ks, rows_for)   # one `Draft` per request (maybe empty)
     ... the target verifies them ...
@@ -18,7 +18,10 @@ Two proposers:
 - `DraftProposer`: a small model with the target's vocabulary, run in the same process over its
   own paged KV cache. Each request keeps its draft KV between steps; what the target rejected is
   recomputed on the next call. Given batch buckets, its passes after a request's first (one or
-  two tokens per request) run through compiled graphs (`cluster.compiled`).
+  two tokens per request) run through compiled graphs (`cluster.compiled`). A seeded request's
+  draft token at output index i is drawn with the noise the target samples index i with
+  (`cluster.sampler`), so the two agree as often as a shared draw lets them, and what it drafts
+  never changes the request's tokens.
 """
 
 from __future__ import annotations
@@ -88,7 +91,6 @@ class _DraftState:
     computed: int = 0  # leading positions whose draft KV is valid
     proposed_at: int = 0  # where the last proposal started
     proposed: tuple[int, ...] = ()  # and what it was, to find how much of it the target kept
-    generator: torch.Generator | None = None  # seeded requests draw draft samples from their own
 
 
 class DraftProposer:
@@ -148,10 +150,10 @@ class DraftProposer:
             if sampled:
                 rows = [rows_for(r, tokens[i]) for _, i, r in sampled]
                 dist = self.sampler.probabilities(logits[[n for n, _, _ in sampled]], rows)
-                for (_, i, r), p in zip(sampled, dist, strict=True):
-                    state = self._states[r.request_id]
+                drawn = self.sampler.draw(dist, rows).tolist()  # a seeded row: the noise of its index
+                for (_, i, _), p, token in zip(sampled, dist, drawn, strict=True):
                     probs[i].append(p)
-                    tokens[i].append(self.sampler.draw_one(p, state.generator or self.sampler.generator))
+                    tokens[i].append(token)
             for n, (i, r) in enumerate(batch):
                 if r.params.greedy:
                     tokens[i].append(greedy[n])
@@ -179,9 +181,7 @@ class DraftProposer:
         rid = request.request_id
         state = self._states.get(rid)
         if state is None:
-            seed = request.params.seed
-            generator = torch.Generator().manual_seed(seed + 1) if seed is not None else None
-            state = self._states[rid] = _DraftState(generator=generator)
+            state = self._states[rid] = _DraftState()
         else:
             kept = 0
             for j, token in enumerate(state.proposed):

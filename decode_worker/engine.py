@@ -70,7 +70,6 @@ class RequestOutput:
 class _Stream:
     request: Request
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
 
 
 class Engine:
@@ -128,12 +127,13 @@ class Engine:
     # -- KV transfer: reserve -> (the transport writes the cache) -> admit | release ---------------
 
     def reserve(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, num_output: int = 0
     ) -> tuple[list[int], int]:
-        """Blocks for a prompt whose KV will arrive by transfer: (block table, leading tokens already
-        in this worker's prefix cache). Raises KeyError for an id in use, ValueError for a request
-        that can never run here, MemoryError when it does not fit now."""
-        request = Request(request_id, list(prompt_token_ids), params)
+        """Blocks for tokens whose KV will arrive by transfer (a prompt, and for a request moved
+        here its `num_output` last tokens are output it already generated): (block table, leading
+        tokens already in this worker's prefix cache). Raises KeyError for an id in use, ValueError
+        for a request that can never run here, MemoryError when it does not fit now."""
+        request = _request(request_id, token_ids, params, num_output)
         with self.lock:
             if request_id in self._reserved or request_id in self.scheduler.requests:
                 raise KeyError(f"request id {request_id!r} is already in use on this worker")
@@ -143,11 +143,9 @@ class Engine:
             blocks = self.scheduler.blocks
             if len(self.scheduler.running) + len(self._reserved) >= self.max_num_seqs:
                 raise MemoryError(f"the running batch is full ({self.max_num_seqs} sequences)")
-            if not blocks.can_allocate(request.prompt_token_ids):
-                raise MemoryError(
-                    f"{blocks.num_free_blocks} free KV blocks are not enough for {len(prompt_token_ids)} tokens"
-                )
-            cached = blocks.allocate(request_id, request.prompt_token_ids)
+            if not blocks.can_allocate(request.all_token_ids):
+                raise MemoryError(f"{blocks.num_free_blocks} free KV blocks are not enough for {len(token_ids)} tokens")
+            cached = blocks.allocate(request_id, request.all_token_ids)
             self._reserved.add(request_id)
             return list(blocks.block_table(request_id)), cached
 
@@ -161,26 +159,35 @@ class Engine:
     def admit(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        token_ids: Sequence[int],
         params: SamplingParams,
         first_token: int,
         logprob: TokenLogprob | None = None,
+        num_output: int = 0,
     ) -> None:
-        """Puts a reserved sequence whose KV has fully landed into the running batch."""
-        request = Request(request_id, list(prompt_token_ids), params)
+        """Puts a reserved sequence whose KV has fully landed into the running batch (`token_ids`
+        and `num_output` as reserved)."""
+        request = _request(request_id, token_ids, params, num_output)
         with self.lock:
             if request_id not in self._reserved:
                 raise KeyError(f"no reservation for request {request_id!r}")
             self._reserved.discard(request_id)
             self.scheduler.admit(request, first_token)
-            stream = self._open_stream(request)
-            if stream.generator is not None and not params.greedy:
-                self.runner.sampler.skip(stream.generator)
+            self._open_stream(request)
             self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Queues a request; raises ValueError (nothing queued) if it can never run here."""
-        request = Request(request_id, list(prompt_token_ids), params)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Queues a request, with the output it already generated elsewhere when it moved here (its
+        KV is computed again, and sampling goes on at output index `len(output_token_ids)`).
+        Raises ValueError (nothing queued) if it can never run here."""
+        tokens = [*prompt_token_ids, *output_token_ids]
+        request = _request(request_id, tokens, params, len(output_token_ids))
         with self.lock:
             if request_id in self._reserved:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -190,12 +197,10 @@ class Engine:
                 self.scheduler.add(request)
             self._open_stream(request)
 
-    def _open_stream(self, request: Request) -> _Stream:
-        params = request.params
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
-        stream = self._streams[request.request_id] = _Stream(request, detok, generator)
-        return stream
+    def _open_stream(self, request: Request) -> None:
+        # The context is every token so far, so that the first new token decodes as it would inline.
+        detok = IncrementalDetokenizer(self.tokenizer, request.all_token_ids, request.params.stop)
+        self._streams[request.request_id] = _Stream(request, detok)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
@@ -318,9 +323,8 @@ class Engine:
         suppressed: tuple[int, ...] = ()
         if len(request.output_token_ids) + len(drafted) < params.min_tokens:
             suppressed = (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
-        generator = self._streams[request.request_id].generator
         output = [*request.output_token_ids, *drafted] if drafted else request.output_token_ids
-        return SampleRow(params, request.prompt_token_ids, output, generator, suppressed)
+        return SampleRow(params, request.prompt_token_ids, output, suppressed)
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         stream = self._streams[request.request_id]
@@ -352,3 +356,14 @@ class Engine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )
+
+
+def _request(request_id: str, token_ids: Sequence[int], params: SamplingParams, num_output: int) -> Request:
+    """A request whose last `num_output` of `token_ids` are output it generated before it moved
+    here; ValueError if that output already ends it."""
+    if num_output and params.num_beams > 1:
+        raise ValueError("a beam search request cannot continue from output generated elsewhere")
+    if num_output >= params.max_tokens:
+        raise ValueError(f"{num_output} tokens already generated reach max_tokens ({params.max_tokens})")
+    cut = len(token_ids) - num_output
+    return Request(request_id, list(token_ids[:cut]), params, output_token_ids=list(token_ids[cut:]))

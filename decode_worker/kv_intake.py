@@ -89,7 +89,7 @@ class KVIntake:
                 raise TransferError(grpc.StatusCode.ALREADY_EXISTS, f"a transfer for {rid!r} is in flight")
             self._transfers[rid] = None  # claimed; the engine may be mid-step, so reserve outside this lock
         try:
-            table, cached = self.engine.reserve(rid, header.token_ids, header.sampling)
+            table, cached = self.engine.reserve(rid, header.token_ids, header.sampling, header.num_output_tokens)
         except (KeyError, ValueError, MemoryError) as e:
             with self._lock:
                 del self._transfers[rid]
@@ -127,7 +127,10 @@ class KVIntake:
                     raise TransferError(grpc.StatusCode.DATA_LOSS, f"commit with {missing} layers never received")
                 num_blocks = len(self.engine.scheduler.blocks.block_table(header.request_id))
                 logprob = None if commit.logprob is None else (commit.logprob, list(commit.top_logprobs))
-                self.engine.admit(header.request_id, header.token_ids, header.sampling, commit.first_token, logprob)
+                self.engine.admit(
+                    header.request_id, header.token_ids, header.sampling, commit.first_token, logprob,
+                    header.num_output_tokens,
+                )  # fmt: skip
                 transfer.state = TransferState.DONE
         except TransferError as e:
             self.fail(transfer, e)

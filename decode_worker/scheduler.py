@@ -84,16 +84,17 @@ class Scheduler:
         self.waiting.append(request)
 
     def admit(self, request: Request, first_token: int) -> None:
-        """Admits a request whose prompt KV arrived by transfer into blocks it already holds
-        (`blocks.allocate` at reservation), with the token the prefill worker sampled."""
+        """Admits a request whose KV (its prompt, and any output it had before it moved here) arrived
+        by transfer into blocks it already holds (`blocks.allocate` at reservation), with the
+        token the prefill worker sampled."""
         self.check(request)
         request.arrival = self._arrivals
         self._arrivals += 1
         request.status = Status.RUNNING
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         self.requests[request.request_id] = request
         self.running.append(request)
-        self.blocks.mark_computed(request.request_id, request.prompt_token_ids)
+        self.blocks.mark_computed(request.request_id, request.all_token_ids)
         request.output_token_ids.append(first_token)
         request.num_passes = 1  # the prefill worker's pass gave the first token
         reason = self._stop_reason(request, first_token)

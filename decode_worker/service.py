@@ -2,7 +2,8 @@
 
 Lifecycle of a request here:
 
-    Submit(remote_prefill=False)   the prompt is queued on the engine (prefilled here, in chunks)
+    Submit(remote_prefill=False)   the prompt is queued on the engine (prefilled here, in chunks),
+                                   with the output it already has when it moved here
     Submit(remote_prefill=True)    the call waits for the prompt's KV transfer (`KVIntake`) to be admitted
     engine loop thread             steps the engine while it has work; each output goes to its
                                    request's stream (or waits for a Submit that has not arrived yet)
@@ -169,7 +170,8 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
                 return  # cancelled or past its deadline before it started
             if not request.remote_prefill:
                 try:
-                    self.engine.add_request(rid, list(request.prompt_token_ids), params)
+                    output = list(request.output_token_ids)
+                    self.engine.add_request(rid, list(request.prompt_token_ids), params, output)
                 except ValueError as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 self._wake.set()

@@ -3,7 +3,8 @@
 Lifecycle of a request:
 
     add_request(id, prompt, params, sender)   WAITING   queued for a forward pass
-    step()                                    RUNNING   its prompt runs, in chunks if it is long; on
+    step()                                    RUNNING   its prompt (and the output of a request moved
+                                                        here) runs, in chunks if it is long; on
                                                         the last chunk the transfer header goes out
                                                         before the pass, each group of layers as soon
                                                         as the pass finishes them, and the commit
@@ -62,7 +63,6 @@ class PrefillStats:
 class _Job:
     request: Request
     sender: KVSender
-    generator: torch.Generator | None
     capability: bytes = b""
     stream: SendStream | None = None
     lease_deadline: float = 0.0
@@ -106,18 +106,22 @@ class PrefillEngine:
         params: SamplingParams,
         sender: KVSender,
         capability: bytes = b"",
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         """Queues a prompt whose KV goes to the decode worker behind `sender` (with the router's
-        `capability` for the transfer); raises ValueError if it can never run."""
+        `capability` for the transfer), after it the output a request moved here already generated
+        (its KV travels too, and the token sampled here is output index `len(output_token_ids)`);
+        raises ValueError if it can never run."""
         if request_id in self._jobs:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model.arch.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        request = Request(request_id, list(prompt), params)
+        if any(not 0 <= t < vocab for t in (*prompt, *output_token_ids)):
+            raise ValueError(f"prompt and output token ids must be in [0, {vocab})")
+        if len(output_token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(output_token_ids)} tokens already generated reach max_tokens ({params.max_tokens})")
+        request = Request(request_id, list(prompt), params, output_token_ids=list(output_token_ids))
         self.scheduler.add(request)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self._jobs[request_id] = _Job(request, sender, generator, capability)
+        self._jobs[request_id] = _Job(request, sender, capability)
 
     def abort(self, request_id: str) -> bool:
         job = self._jobs.pop(request_id, None)
@@ -202,9 +206,10 @@ class PrefillEngine:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             block_size=self.scheduler.blocks.block_size,
-            token_ids=tuple(request.prompt_token_ids),
+            token_ids=tuple(request.all_token_ids),
             sampling=request.params,
             capability=self._jobs[request.request_id].capability,
+            num_output_tokens=len(request.output_token_ids),
         )
         return self._jobs[request.request_id].sender.open(header)
 
@@ -221,7 +226,7 @@ class PrefillEngine:
                 return
             first = layer - (layer % per_chunk)
             for c, table in zip(finishing, tables, strict=True):
-                n = c.request.num_prompt_tokens
+                n = c.request.num_tokens
                 keys, values = [], []
                 for i in range(first, layer + 1):
                     k_cache, v_cache = self.runner.kv_cache[i]
@@ -236,7 +241,6 @@ class PrefillEngine:
     def _row(self, request: Request) -> SampleRow:
         params = request.params
         suppressed: tuple[int, ...] = ()
-        if params.min_tokens > 0:
+        if len(request.output_token_ids) < params.min_tokens:
             suppressed = (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
-        generator = self._jobs[request.request_id].generator
-        return SampleRow(params, request.prompt_token_ids, [], generator, suppressed)
+        return SampleRow(params, request.prompt_token_ids, request.output_token_ids, suppressed)

@@ -4,6 +4,8 @@
     done = scheduler.update(plan)   # counts computed tokens; prompts whose last chunk ran are done
     scheduler.release(request_id)   # once the KV transfer is acknowledged or its lease expired
 
+A request moved here after a failure comes with the output it already generated: its KV is
+computed like the prompt's (what a request's computed tokens catch up with is all its tokens).
 A prompt holds its blocks from admission until `release`: while its KV travels to a decode worker
 it must stay in the cache. Released blocks keep their prefix hashes (`BlockManager`), so a later
 prompt sharing a prefix computes only its suffix; they are evicted least recently used once fresh
@@ -35,7 +37,7 @@ class PrefillScheduler:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in (*self.waiting, *self.prefilling))
+        return sum(r.num_tokens - r.num_computed_tokens for r in (*self.waiting, *self.prefilling))
 
     def add(self, request: Request) -> None:
         rid = request.request_id
@@ -44,8 +46,8 @@ class PrefillScheduler:
         if not request.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         usable = (self.blocks.num_blocks - self.blocks.watermark_blocks) * self.blocks.block_size
-        if request.num_prompt_tokens > usable:
-            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) exceeds this worker's KV cache ({usable})")
+        if request.num_tokens > usable:
+            raise ValueError(f"prompt ({request.num_tokens} tokens) exceeds this worker's KV cache ({usable})")
         request.status = Status.WAITING
         self.waiting.append(request)
 
@@ -59,9 +61,9 @@ class PrefillScheduler:
             budget -= chunks[-1].num_new
         while self.waiting and budget > 0 and len(self.prefilling) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.blocks.can_allocate(request.prompt_token_ids):
+            if not self.blocks.can_allocate(request.all_token_ids):
                 break
-            cached = self.blocks.allocate(request.request_id, request.prompt_token_ids)
+            cached = self.blocks.allocate(request.request_id, request.all_token_ids)
             request.num_computed_tokens = request.num_cached_tokens = cached
             self.cached_tokens += cached
             request.status = Status.RUNNING
@@ -106,6 +108,6 @@ class PrefillScheduler:
 
     def _chunk(self, request: Request, budget: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        n = min(request.num_prompt_tokens - start, budget)
+        n = min(request.num_tokens - start, budget)
         table = tuple(self.blocks.block_table(request.request_id))
-        return ScheduledChunk(request, start, n, table, samples=start + n == request.num_prompt_tokens)
+        return ScheduledChunk(request, start, n, table, samples=start + n == request.num_tokens)

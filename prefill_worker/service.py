@@ -109,7 +109,8 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             try:
                 sender = self._sender(request.decode_target)
-                self.engine.add_request(rid, list(request.prompt_token_ids), params, sender, request.capability)
+                prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+                self.engine.add_request(rid, prompt, params, sender, request.capability, output)
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self._waiters[rid] = waiter

@@ -73,7 +73,8 @@ class Broken(Exception):
 
 
 def rest_of(params: SamplingParams, streamed: int) -> SamplingParams:
-    """The sampling parameters for the rest of a request that has already streamed `streamed` tokens."""
+    """What is left of a request that has already streamed `streamed` tokens, as placement sizes
+    it (the workers get the whole request's parameters, and the streamed tokens as output)."""
     if not streamed:
         return params
     return dataclasses.replace(
@@ -145,8 +146,8 @@ class Stream:
         return out
 
     def migrated(self, decode: Callable[[list[int]], str]) -> None:
-        """The tokens streamed so far become prompt on the next worker: any of their text the
-        failed worker had not released yet goes out with the next message."""
+        """The tokens streamed so far go to the next worker as output already generated: any of
+        their text the failed worker had not released yet goes out with the next message."""
         whole = decode(self.generated) if self.generated else ""
         self.carry = whole[len(self.sent_text) :] if whole.startswith(self.sent_text) else ""
 

@@ -233,8 +233,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         trace_context: otel_context.Context,
     ) -> Iterator[api_pb2.GenerateResponse]:
         """Places the request and relays its stream. When a worker dies mid-request, the request
-        migrates: prompt + the tokens already streamed are prefilled again on a live worker and the
-        same client stream continues, no token lost or repeated (at most `migration_limit` times)."""
+        migrates: a live worker gets the prompt and, as output already generated, the tokens
+        already streamed; it prefills both again and the same client stream continues, no token
+        lost or repeated (at most `migration_limit` times). The tokens keep their output indices,
+        so a seeded request samples on as if it had never moved."""
         s = self.settings
         try:
             choice = self._place(stream.prompt, params, wait_s=0)
@@ -253,18 +255,19 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         metadata = [*self.pool.metadata, *trace_metadata(trace_context)]
         worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
         for attempt in range(s.migration_limit + 1):
-            streamed = len(stream.generated)
-            prompt, rest = stream.prompt + stream.generated, rest_of(params, streamed)
+            generated = list(stream.generated)
             if attempt:
                 if not context.is_active():
                     stream.status = "cancelled"
                     return
                 try:
-                    choice = self._place(stream.prompt + stream.generated, rest, s.migration_wait_s)
+                    rest = rest_of(params, len(generated))
+                    choice = self._place(stream.prompt + generated, rest, s.migration_wait_s)
                 except NoCapacity as e:
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
+            tokens = (stream.prompt, generated)
             try:
-                for msg in self._attempt(f"{worker_id}.{attempt}", prompt, rest, choice, context, metadata, stream):
+                for msg in self._attempt(f"{worker_id}.{attempt}", tokens, params, choice, context, metadata, stream):
                     yield stream.response(msg)
                 return
             except Broken as broken:
@@ -301,15 +304,16 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
     def _attempt(
         self,
         worker_rid: str,
-        prompt: list[int],
+        tokens: tuple[list[int], list[int]],
         params: SamplingParams,
         choice: Choice,
         context: grpc.ServicerContext,
         metadata: list[tuple[str, str]],
         stream: Stream,
     ) -> Iterator[worker_pb2.WorkerTokens]:
-        """One try on one pair of workers: the decode worker's stream, with the prefill call beside
-        it. Raises `Broken` when either fails; the caller decides whether to migrate."""
+        """One try on one pair of workers for `tokens` (the prompt, and the output already
+        generated): the decode worker's stream, with the prefill call beside it. Raises `Broken`
+        when either fails; the caller decides whether to migrate."""
         s = self.settings
         workers = self.pool.workers()
         if choice.decode not in workers or (choice.prefill is not None and choice.prefill not in workers):
@@ -319,9 +323,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         timeout = remaining if remaining is not None and remaining < 1e6 else None
         sampling = params_to_proto(params)
         remote = choice.prefill is not None
+        prompt, output = tokens
         request = worker_pb2.WorkerRequest(
-            request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=remote
-        )
+            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
+            remote_prefill=remote,
+        )  # fmt: skip
         decode_call = decode.stub.Submit(request, timeout=timeout, metadata=metadata)
         calls = [decode_call]
         prefill_result: dict[str, object] = {}
@@ -329,10 +335,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             capability = b""
             if s.capability_secret is not None:
                 ttl = s.capability_ttl_s
-                capability = mint_capability(s.capability_secret, worker_rid, len(prompt), s.block_size, ttl)
+                num_tokens = len(prompt) + len(output)  # the KV that travels
+                capability = mint_capability(s.capability_secret, worker_rid, num_tokens, s.block_size, ttl)
             request = worker_pb2.WorkerRequest(
-                request_id=worker_rid, prompt_token_ids=prompt, sampling=sampling, decode_target=decode.address,
-                capability=capability,
+                request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
+                decode_target=decode.address, capability=capability,
             )  # fmt: skip
             prefill_call = workers[choice.prefill].stub.Submit(request, timeout=timeout, metadata=metadata)  # type: ignore[index]
             calls.append(prefill_call)

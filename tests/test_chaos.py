@@ -1,7 +1,9 @@
-"""Chaos on a real local Ray cluster: under a steady load of concurrent greedy requests, a worker's
-process is killed with SIGKILL mid-request. Ray restarts it; the router moves each broken request
-to a live worker (prompt + the tokens already streamed, prefilled again) and continues the same
-client stream. Every request completes with exactly the fault-free tokens and text."""
+"""Chaos on a real local Ray cluster: under a steady load of concurrent requests, greedy ones and
+seeded sampled ones (temperature 0.8, each with its own seed), a worker's process is killed with
+SIGKILL mid-request. Ray restarts it; the router moves each broken request to a live worker (the
+prompt, and the tokens already streamed as output, prefilled again) and continues the same client
+stream. Every request completes with exactly the fault-free tokens and text: a seeded one samples
+each token from (seed, its index in the output, the logits), so moving does not change it."""
 
 from __future__ import annotations
 
@@ -56,12 +58,22 @@ def cluster():
     ray.shutdown()
 
 
-def reference(requests: dict[str, tuple[list[int], int]]) -> dict[str, tuple[list[int], str]]:
+# A request: (prompt, max_tokens, sampling fields beyond greedy).
+Requests = dict[str, tuple[list[int], int, dict[str, float]]]
+
+
+def seeded(i: int) -> dict[str, float]:
+    return {"temperature": 0.8, "seed": 7001 + 31 * i}
+
+
+def reference(requests: Requests) -> dict[str, tuple[list[int], str]]:
+    """Every request run undisturbed in one engine in this process."""
     tok = Tokenizer(DEMO)
     cfg = config()
     engine = Engine(load_model(DEMO, "float32"), tok, cfg.cache, cfg.scheduler, tok.eos_token_ids)
-    for rid, (prompt, max_tokens) in requests.items():
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    for rid, (prompt, max_tokens, sampling) in requests.items():
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **sampling})
+        engine.add_request(rid, prompt, params)  # type: ignore[arg-type]
     out: dict[str, tuple[list[int], str]] = {rid: ([], "") for rid in requests}
     while engine.has_unfinished:
         for o in engine.step():
@@ -75,11 +87,12 @@ def run_with_a_kill(address: str, handle, victim: str, requests, kill_when) -> d
     progress: dict[str, int] = {rid: 0 for rid in requests}
     errors: list[Exception] = []
 
-    def one(rid: str, prompt: list[int], max_tokens: int) -> None:
+    def one(rid: str, prompt: list[int], max_tokens: int, sampling: dict[str, float]) -> None:
         tokens, text = [], ""
+        fields = {"temperature": 0, "ignore_eos": True, **sampling}
         try:
             with Client(address, timeout=300, retries=0) as client:
-                for delta in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+                for delta in client.stream(prompt, max_tokens=max_tokens, **fields):
                     tokens += delta.token_ids
                     text += delta.text
                     progress[rid] = len(tokens)
@@ -105,7 +118,10 @@ def run_with_a_kill(address: str, handle, victim: str, requests, kill_when) -> d
 def test_a_killed_decode_worker_loses_no_request(cluster):
     handle, router, address = cluster
     rng = random.Random(5)
-    requests = {f"d{i}": ([rng.randrange(5, 2000) for _ in range(rng.choice([4, 30]))], 160) for i in range(6)}
+    requests: Requests = {}
+    for i in range(12):  # six greedy, six seeded sampled
+        prompt = [rng.randrange(5, 2000) for _ in range(rng.choice([4, 30]))]
+        requests[f"d{i}"] = (prompt, 160, {}) if i < 6 else (prompt, 96, seeded(i))
     before = router.telemetry.metrics.migrations.labels("decode")._value.get()
     results = run_with_a_kill(
         address, handle, "decode-0", requests, kill_when=lambda p: all(n >= 20 for n in p.values())
@@ -117,7 +133,9 @@ def test_a_killed_decode_worker_loses_no_request(cluster):
 def test_a_killed_prefill_worker_loses_no_request(cluster):
     handle, router, address = cluster
     rng = random.Random(6)
-    requests = {f"p{i}": ([rng.randrange(5, 2000) for _ in range(600)], 8) for i in range(12)}
+    requests: Requests = {
+        f"p{i}": ([rng.randrange(5, 2000) for _ in range(600)], 8, seeded(i) if i % 2 else {}) for i in range(12)
+    }
     before = router.telemetry.metrics.migrations.labels("prefill")._value.get()
     results = run_with_a_kill(
         address, handle, "prefill-0", requests, kill_when=lambda p: sum(1 for n in p.values() if n) >= 2

@@ -218,3 +218,74 @@ def test_the_gpu_transfer_check_runs_on_cpu():
     result = subprocess.run([sys.executable, str(script), "--cpu"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("OK:") and "gloo" in result.stdout
+
+
+def seeded_workload(n: int = 8, seed: int = 4) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Sampled requests, each with its own seed; half with penalties and min_tokens, which count
+    the output a moved request brings along."""
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        prompt = [rng.randrange(3, 320) for _ in range(rng.choice([1, 5, 17, 33, 70]))]
+        extra = dict(frequency_penalty=0.7, presence_penalty=0.3, min_tokens=6) if i % 2 else {}
+        params = SamplingParams(max_tokens=rng.randint(6, 14), temperature=0.8, top_p=0.95, seed=100 + i, **extra)
+        out[f"s{i}"] = (prompt, params)
+    return out
+
+
+def prefill_remotely(model, requests, sender, outputs=None) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Prefills every request on a prefill engine (with `outputs[rid]` as output already generated)
+    and ships its KV through `sender`: each request's first token."""
+    prefill = PrefillEngine(model, CACHE, PREFILL, TransferConfig(), num_blocks=CACHE.num_blocks)
+    for rid, (prompt, params) in requests.items():
+        prefill.add_request(rid, prompt, params, sender, output_token_ids=(outputs or {}).get(rid, ()))
+    first, streams = {}, {}
+    while prefill.scheduler.has_work:
+        for out in prefill.step():
+            first[out.request_id], streams[out.request_id] = out.first_token, out.transfer
+    for rid in requests:
+        assert streams[rid].wait(30) is TransferState.DONE, streams[rid].error
+    return first
+
+
+def test_seeded_sampling_is_the_same_prefilled_remotely_or_locally(model):
+    """A seeded request's first token sampled on the prefill worker and the rest on the decode
+    worker give the tokens of one engine doing both."""
+    requests = seeded_workload()
+    local = Engine(model, NoText(), CACHE, DECODE, seed=1)
+    for rid, (prompt, params) in requests.items():
+        local.add_request(rid, prompt, params)
+    expected = decode_all(local, requests)
+    engine, intake = decode_side(model)
+    first = prefill_remotely(model, requests, LocalSender(intake))
+    remote = decode_all(engine, requests)
+    assert {rid: tokens[0] for rid, tokens in remote.items()} == first
+    assert remote == expected
+    assert len({tuple(t) for t in expected.values()}) == len(requests)
+
+
+@pytest.mark.parametrize("prefill", ["local", "remote"])
+def test_a_seeded_request_moved_with_its_output_continues_as_if_undisturbed(model, prefill):
+    """What the router sends after a worker dies: the prompt and, as output, the tokens already
+    streamed. Prefilled again on the decode worker or on a prefill worker (the KV header carrying
+    the output's count over gRPC), the rest equals the undisturbed run's tail, penalties and
+    min_tokens included."""
+    requests = seeded_workload()
+    whole = Engine(model, NoText(), CACHE, DECODE)
+    for rid, (prompt, params) in requests.items():
+        whole.add_request(rid, prompt, params)
+    expected = decode_all(whole, requests)
+    carried = {rid: tokens[: len(tokens) // 2] for rid, tokens in expected.items()}
+    engine, intake = decode_side(model)
+    if prefill == "local":
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params, output_token_ids=carried[rid])
+    else:
+        server, port = serve(intake)
+        try:
+            prefill_remotely(model, requests, GrpcSender(f"127.0.0.1:{port}"), carried)
+        finally:
+            server.stop(None)
+    rest = decode_all(engine, requests)
+    assert {rid: carried[rid] + rest[rid] for rid in requests} == expected
+    assert engine.scheduler.blocks.num_free_blocks == CACHE.num_blocks

@@ -50,11 +50,11 @@ def start_cluster(**overrides):
     return address, router, decode, stop
 
 
-def generate(stub, prompt, max_tokens, timeout=120) -> tuple[list[int], grpc.StatusCode | None, int]:
-    """(tokens, status code or None, tokens received before the error)."""
+def generate(stub, prompt, max_tokens, timeout=120, **sampling) -> tuple[list[int], grpc.StatusCode | None, int]:
+    """(tokens, status code or None, tokens received before the error); greedy unless `sampling` says."""
     request = api_pb2.GenerateRequest(
         token_ids=api_pb2.TokenIds(ids=prompt),
-        sampling=api_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        sampling=api_pb2.SamplingParams(max_tokens=max_tokens, **{"temperature": 0, "ignore_eos": True, **sampling}),
     )
     tokens: list[int] = []
     try:
@@ -123,28 +123,37 @@ def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
 
 
 def test_kv_pressure_preempts_and_outputs_do_not_change():
+    """Greedy and seeded sampled requests (every other one, each with its own seed) preempted and
+    recomputed give the tokens of an unloaded run."""
     address, _, decode, stop = start_cluster(cache={"num_blocks": 20}, router={"local_prefill_max_tokens": 1000})
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(20, 60))] for _ in range(10)]
+    sampling = [{"temperature": 0.8, "seed": 50 + i} if i % 2 else {} for i in range(len(prompts))]
+    preempted: list[int | None] = []  # the seeds of preempted requests
+    scheduler = decode.engine.scheduler
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda request: (preempted.append(request.params.seed), preempt(request))[1]
     try:
         stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
         results = {}
         threads = [
-            threading.Thread(target=lambda i=i: results.__setitem__(i, generate(stub, prompts[i], 80)))
+            threading.Thread(target=lambda i=i: results.__setitem__(i, generate(stub, prompts[i], 80, **sampling[i])))
             for i in range(len(prompts))
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert decode.engine.scheduler.stats.num_preemptions > 0, "20 blocks for 10 sequences of ~9 must preempt"
+        assert scheduler.stats.num_preemptions > 0, "20 blocks for 10 sequences of ~9 must preempt"
+        assert any(seed is not None for seed in preempted), "a seeded request should be among the preempted"
     finally:
         stop()
     tok = Tokenizer(DEMO)
     config = parse_config({"model": {"path": str(DEMO)}})
     reference = Engine(load_model(DEMO, "float32"), tok, config.cache, config.scheduler, tok.eos_token_ids)
     for i, prompt in enumerate(prompts):
-        reference.add_request(str(i), prompt, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=80, ignore_eos=True, **{"temperature": 0.0, **sampling[i]})
+        reference.add_request(str(i), prompt, params)
     expected: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while reference.has_unfinished:
         for out in reference.step():

@@ -9,14 +9,14 @@ import torch
 
 from cluster.model_builder import train_tokenizer
 from cluster.request import SamplingParams
-from cluster.sampler import Sampler, SampleRow
+from cluster.sampler import Draft, Sampler, SampleRow, exponential_noise, noise, noise_key
 from decode_worker.detokenizer import IncrementalDetokenizer
 
 V = 8
 
 
-def row(prompt=(), output=(), generator=None, suppressed=(), **params):
-    return SampleRow(SamplingParams(**params), list(prompt), list(output), generator, suppressed)
+def row(prompt=(), output=(), suppressed=(), **params):
+    return SampleRow(SamplingParams(**params), list(prompt), list(output), suppressed)
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():
@@ -61,13 +61,90 @@ def test_sampling_follows_the_filtered_distribution():
 
 def test_seeded_rows_ignore_their_neighbours():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
-
-    def seeded():
-        return torch.Generator().manual_seed(7)
-
-    alone = [Sampler(V, seed=s)(logits[:1], [row(generator=seeded())]).token_ids[0] for s in range(3)]
-    with_others = [Sampler(V, seed=s)(logits, [row(generator=seeded()), row(), row()]).token_ids[0] for s in range(3)]
+    alone = [Sampler(V, seed=s)(logits[:1], [row(seed=7)]).token_ids[0] for s in range(3)]
+    with_others = [Sampler(V, seed=s)(logits, [row(seed=7), row(), row()]).token_ids[0] for s in range(3)]
     assert alone == with_others and len(set(alone)) == 1
+
+
+def test_seeded_noise_is_splitmix64_of_a_key_from_seed_and_index():
+    """The noise is defined by this arithmetic alone (no library generator): a pure-Python
+    splitmix64 gives the same values, for any 64-bit seed."""
+    mask = (1 << 64) - 1
+
+    def finalise(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    for seed, index in [(0, 0), (7, 3), (2**64 - 1, 95), (2**63, 1)]:
+        key = noise_key(seed, index)
+        top23 = [finalise((key + (j + 1) * 0x9E3779B97F4A7C15) & mask) >> 41 for j in range(64)]
+        expected = [-math.log((2 * t + 1) / 2**24) for t in top23]
+        assert noise(seed, index, 64).tolist() == pytest.approx(expected, rel=1e-6)
+    assert noise_key(1, 0) != noise_key(0, 1) and noise_key(5, 2) == noise_key(5, 2)
+
+
+def test_seeded_noise_is_exponential_and_unrelated_across_seeds_and_indices():
+    e = exponential_noise(torch.tensor([noise_key(3, 0) - 2**63]), 200_000)[0]
+    assert abs(float(e.mean()) - 1) < 0.01 and abs(float(e.var()) - 1) < 0.02 and float(e.min()) > 0
+    rows = torch.stack([noise(s, i, 4096) for s in range(4) for i in range(4)])
+    corr = torch.corrcoef(rows)
+    off_diagonal = corr[~torch.eye(len(rows), dtype=torch.bool)]
+    assert float(off_diagonal.abs().max()) < 0.08
+
+
+def test_a_seeded_draw_depends_only_on_seed_index_and_logits():
+    """The same (seed, output index, logits) gives the same token whatever the batch, the sampler's
+    own seed or what it drew before; another index or seed draws afresh."""
+    vocab = 4096
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(2)) * 0.5
+    target = row(output=[1] * 5, seed=11, temperature=0.8, top_p=0.95)
+    alone = Sampler(vocab, seed=0)(logits, [target]).token_ids[0]
+    busy = Sampler(vocab, seed=9)
+    for _ in range(3):  # history: unseeded and seeded draws of other requests
+        busy(logits.expand(4, vocab), [row(), row(seed=11), row(seed=12, output=[3] * 5), row(top_k=5)])
+    neighbours = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    batch = torch.cat([neighbours[:2], logits, neighbours[2:]])
+    rows = [row(top_p=0.5), row(seed=11, output=[2] * 4), target, row(seed=11, output=[9] * 5, temperature=0)]
+    assert busy(batch, rows).token_ids[2] == alone
+    other_history = row(output=[7, 8, 9, 10, 11], seed=11, temperature=0.8, top_p=0.95)
+    assert Sampler(vocab)(logits, [other_history]).token_ids[0] == alone  # the index counts, not the tokens
+    by_index = {Sampler(vocab)(logits, [row(output=[1] * i, seed=11)]).token_ids[0] for i in range(20)}
+    by_seed = {Sampler(vocab)(logits, [row(output=[1] * 5, seed=s)]).token_ids[0] for s in range(20)}
+    assert len(by_index) > 10 and len(by_seed) > 10
+
+
+def test_seeded_draws_over_many_seeds_follow_the_distribution():
+    p = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05, 0, 0, 0])
+    n = 4000
+    draws = Sampler(V)(torch.log(p + 1e-12).expand(n, V), [row(seed=s) for s in range(n)]).token_ids
+    for t in range(V):
+        q = float(p[t])
+        assert abs(draws.count(t) / n - q) < 4 * math.sqrt(q * (1 - q) / n) + 1e-9, (t, draws.count(t) / n, q)
+
+
+def test_seeded_verification_gives_the_plain_tokens_whatever_was_drafted():
+    """A seeded row's verified tokens are those plain decoding samples at each index, for any draft
+    (right, wrong, with or without draft probabilities): a rollback or a restart replays them."""
+    vocab, k = 64, 4
+    logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(5))
+    params = dict(seed=21, temperature=0.9)
+    plain: list[int] = []
+    for j in range(k + 1):  # plain decoding, one token per step
+        plain.append(Sampler(vocab)(logits[j : j + 1], [row(output=[0, 0, *plain], **params)]).token_ids[0])
+
+    def verify(drafted: tuple[int, ...], probs: torch.Tensor | None = None) -> list[int]:
+        rows = [row(output=[0, 0, *drafted[:j]], **params) for j in range(len(drafted) + 1)]
+        result = Sampler(vocab, seed=len(drafted)).verify(logits[: len(drafted) + 1], rows, [Draft(drafted, probs)])
+        return result.token_ids[0]
+
+    assert verify(tuple(plain[:k])) == plain  # all kept, then the bonus token
+    wrong = ((plain[0] + 1) % vocab, *plain[1:k])
+    assert verify(wrong) == plain[:1]
+    assert verify((plain[0], plain[1], (plain[2] + 1) % vocab)) == plain[:3]
+    q = torch.softmax(torch.randn(2, vocab), -1)
+    assert verify((plain[0], (plain[1] + 3) % vocab), q) == plain[:2]
+    assert verify(()) == plain[:1]
 
 
 def test_logprobs_and_top_n():

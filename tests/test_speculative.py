@@ -51,9 +51,12 @@ def demo():
     return load_model(DEMO, "float32"), Tokenizer(DEMO)
 
 
-def demo_requests(tok: Tokenizer, n: int, seed: int = 0) -> dict[str, tuple[list[int], SamplingParams]]:
+def demo_requests(
+    tok: Tokenizer, n: int, seed: int = 0, temperature: float = 0.0
+) -> dict[str, tuple[list[int], SamplingParams]]:
     """Snippets of held-out Python, half of them with their own text repeated (output that copies
-    from the prompt), mixed speculation settings and lengths."""
+    from the prompt), mixed speculation settings and lengths; sampled ones (`temperature` > 0)
+    each with its own seed."""
     rng = random.Random(seed)
     ids = tok.encode((DEMO / "heldout_eval.txt").read_text(encoding="utf-8"))
     out = {}
@@ -63,7 +66,10 @@ def demo_requests(tok: Tokenizer, n: int, seed: int = 0) -> dict[str, tuple[list
         if i % 2:
             prompt = prompt + prompt[: len(prompt) // 2]
         k = [None, 0, 1, 2, 4][i % 5]
-        params = SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0, speculative_tokens=k, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=rng.randint(4, 40), temperature=temperature, speculative_tokens=k, ignore_eos=True,
+            seed=1000 + i if temperature else None,
+        )  # fmt: skip
         out[f"r{i}"] = (prompt, params)
     return out
 
@@ -88,6 +94,24 @@ def test_greedy_speculation_equals_plain_decoding_in_a_mixed_batch_under_preempt
             assert f.num_draft_tokens == 0 and f.num_passes == params.max_tokens
         assert f.num_passes + f.num_accepted_tokens == f.num_output_tokens  # each pass: accepted drafts + 1
         assert f.num_accepted_tokens <= f.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_speculation_equals_plain_seeded_decoding_under_preemption(demo, method):
+    """A seeded sampled request's tokens are plain seeded decoding's, whatever was drafted,
+    accepted or rolled back, and whatever preemption recomputed."""
+    model, tok = demo
+    requests = demo_requests(tok, 12, seed=2, temperature=0.5)
+    plain, _ = run(Engine(model, tok, ROOMY, BATCHING), requests)
+    config = SpeculativeConfig(method=method, num_tokens=4, draft_model=DRAFT, draft_memory_gib=0.01)
+    proposer = build_proposer(config, model, TIGHT.block_size)
+    tight = CacheConfig(block_size=4, num_blocks=60, watermark=0.0)
+    engine = Engine(model, tok, tight, BATCHING, seed=7, proposer=proposer, num_speculative_tokens=4)
+    tokens, finals = run(engine, requests)
+    assert tokens == plain
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert sum(f.num_accepted_tokens for f in finals.values()) > 0, "some drafts should be kept"
+    assert any(f.num_accepted_tokens < f.num_draft_tokens for f in finals.values()), "and some rejected"
 
 
 @pytest.mark.slow
@@ -177,8 +201,7 @@ def test_speculation_stops_at_stop_strings_and_max_tokens_like_plain_decoding(de
 
 
 def row(temperature: float = 1.0, seed: int | None = None) -> SampleRow:
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SampleRow(SamplingParams(temperature=temperature), [1], [], generator)
+    return SampleRow(SamplingParams(temperature=temperature, seed=seed), [1], [])
 
 
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:

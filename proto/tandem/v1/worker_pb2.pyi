@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability", "remote_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability", "remote_prefill", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_TARGET_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _api_pb2.SamplingParams
     decode_target: str
     capability: bytes
     remote_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ..., remote_prefill: _Optional[bool] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "text", "num_prompt_tokens", "num_cached_tokens", "speculation", "beams")
