@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.model import CausalLM
 
 
@@ -46,18 +46,7 @@ def generate(
     lengths = [len(p) + max_new_tokens for p in prompts]
     if max(lengths) > arch.max_position_embeddings:
         raise ValueError(f"prompt + max_new_tokens exceeds the context window ({arch.max_position_embeddings})")
-    per_seq = [-(-n // block_size) for n in lengths]
-    starts = [sum(per_seq[:i]) for i in range(len(prompts))]
-    tables = [list(range(s, s + n)) for s, n in zip(starts, per_seq, strict=True)]
-    kv = allocate_kv_cache(
-        arch.num_layers,
-        sum(per_seq),
-        block_size,
-        arch.num_kv_heads,
-        arch.head_dim,
-        model.embed_tokens.weight.dtype,
-        device,
-    )
+    tables, kv = _kv_cache(model, lengths, block_size)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = [Generation(prompt=list(p)) for p in prompts]
     # First pass: every prompt whole. Later passes: one token per unfinished sequence.
@@ -90,3 +79,15 @@ def generate(
                 input_ids.append(token)
         active = still
     return out
+
+
+def _kv_cache(model: CausalLM, lengths: Sequence[int], block_size: int) -> tuple[list[list[int]], KVCache]:
+    """A block table per sequence (a fixed run of blocks for `lengths[i]` tokens) and the cache."""
+    arch, weight = model.arch, model.embed_tokens.weight
+    per_seq = [-(-n // block_size) for n in lengths]
+    starts = [sum(per_seq[:i]) for i in range(len(lengths))]
+    tables = [list(range(s, s + n)) for s, n in zip(starts, per_seq, strict=True)]
+    kv = allocate_kv_cache(
+        arch.num_layers, sum(per_seq), block_size, arch.num_kv_heads, arch.head_dim, weight.dtype, weight.device
+    )
+    return tables, kv

@@ -48,8 +48,8 @@ from router.relay import (
     trace_metadata,
     watch_prefill,
 )
-from router.settings import PoolAdmin, RouterSettings
-from router.validate import InvalidRequest, Limits, PromptTokenizer, validate
+from router.settings import PoolAdmin, RouterSettings, settings_from_config
+from router.validate import InvalidRequest, PromptTokenizer, validate
 
 
 class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
@@ -314,38 +314,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         """One try on one pair of workers for `tokens` (the prompt, and the output already
         generated): the decode worker's stream, with the prefill call beside it. Raises `Broken`
         when either fails; the caller decides whether to migrate."""
-        s = self.settings
-        workers = self.pool.workers()
-        if choice.decode not in workers or (choice.prefill is not None and choice.prefill not in workers):
-            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
-        decode = workers[choice.decode]
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
-        sampling = params_to_proto(params)
-        remote = choice.prefill is not None
-        prompt, output = tokens
-        request = worker_pb2.WorkerRequest(
-            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
-            remote_prefill=remote,
-        )  # fmt: skip
-        decode_call = decode.stub.Submit(request, timeout=timeout, metadata=metadata)
-        calls = [decode_call]
-        prefill_result: dict[str, object] = {}
-        if remote:
-            capability = b""
-            if s.capability_secret is not None:
-                ttl = s.capability_ttl_s
-                num_tokens = len(prompt) + len(output)  # the KV that travels
-                capability = mint_capability(s.capability_secret, worker_rid, num_tokens, s.block_size, ttl)
-            request = worker_pb2.WorkerRequest(
-                request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
-                decode_target=decode.address, capability=capability,
-            )  # fmt: skip
-            prefill_call = workers[choice.prefill].stub.Submit(request, timeout=timeout, metadata=metadata)  # type: ignore[index]
-            calls.append(prefill_call)
-            threading.Thread(
-                target=watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True
-            ).start()
+        calls, prefill_result = self._submit(worker_rid, tokens, params, choice, timeout, metadata)
+        decode_call = calls[0]
 
         def cancel_all() -> None:
             prefill_result["cancelled"] = True
@@ -367,6 +339,45 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                 raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
             raise Broken(e.code(), e.details() or "", "decode", choice.decode) from None
 
+    def _submit(
+        self,
+        worker_rid: str,
+        tokens: tuple[list[int], list[int]],
+        params: SamplingParams,
+        choice: Choice,
+        timeout: float | None,
+        metadata: list[tuple[str, str]],
+    ) -> tuple[list[grpc.Future], dict[str, object]]:
+        """Starts the decode worker's call (first in the list) and, for remote prefill, the prefill
+        worker's beside it, watched on a thread that records its result."""
+        s = self.settings
+        workers = self.pool.workers()
+        if choice.decode not in workers or (choice.prefill is not None and choice.prefill not in workers):
+            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
+        decode = workers[choice.decode]
+        sampling = params_to_proto(params)
+        prompt, output = tokens
+        request = worker_pb2.WorkerRequest(
+            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
+            remote_prefill=choice.prefill is not None,
+        )  # fmt: skip
+        decode_call = decode.stub.Submit(request, timeout=timeout, metadata=metadata)
+        prefill_result: dict[str, object] = {}
+        if choice.prefill is None:
+            return [decode_call], prefill_result
+        capability = b""
+        if s.capability_secret is not None:
+            num_tokens = len(prompt) + len(output)  # the KV that travels
+            capability = mint_capability(s.capability_secret, worker_rid, num_tokens, s.block_size, s.capability_ttl_s)
+        request = worker_pb2.WorkerRequest(
+            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
+            decode_target=decode.address, capability=capability,
+        )  # fmt: skip
+        prefill_call = workers[choice.prefill].stub.Submit(request, timeout=timeout, metadata=metadata)
+        watcher = threading.Thread(target=watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True)
+        watcher.start()
+        return [decode_call, prefill_call], prefill_result
+
     def _targets(self, request: api_pb2.GenerateRequest) -> Targets:
         budget = request.budget
         ttft = budget.ttft_seconds if budget.HasField("ttft_seconds") else self.settings.slo.ttft_s
@@ -383,28 +394,10 @@ def from_config(
     config: ClusterConfig, discover: Callable[[], dict[str, str]], pools: PoolAdmin | None = None
 ) -> Router:
     """A router for the config's model (its tokenizer and config.json; no weights), not started."""
-    m = config.model
-    arch = ModelArch.from_folder(m.path)
-    tokenizer = Tokenizer(m.path)
-    context = min(m.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    settings = RouterSettings(
-        model_name=m.served_name,
-        architecture=arch.architecture,
-        limits=Limits(context, arch.vocab_size, config.router.max_stop_strings),
-        block_size=config.cache.block_size,
-        eos_token_ids=tokenizer.eos_token_ids,
-        has_chat_template=tokenizer.chat_template is not None,
-        dtype=m.dtype,
-        slo=config.slo,
-        max_queued_requests=config.router.max_queued_requests,
-        local_prefill_max_tokens=config.router.local_prefill_max_tokens,
-        metrics_port=config.telemetry.metrics_port,
-        capability_secret=secret.get_secret_value().encode() if (secret := config.auth.cluster_secret) else None,
-        capability_ttl_s=config.auth.capability_ttl_s,
-        migration_limit=config.router.migration_limit,
-        migration_wait_s=config.router.migration_wait_s,
-    )
-    pool = WorkerPool(discover, metadata=secret_metadata(config.auth), credentials=channel_credentials(config.auth))
+    tokenizer = Tokenizer(config.model.path)
+    settings = settings_from_config(config, ModelArch.from_folder(config.model.path), tokenizer)
+    auth = config.auth
+    pool = WorkerPool(discover, metadata=secret_metadata(auth), credentials=channel_credentials(auth))
     telemetry = Telemetry(config.telemetry, "tandem-router")
-    credentials = server_credentials(config.auth, internal=False)
-    return Router(settings, tokenizer, pool, telemetry, pools, client_keys(config.auth), credentials)
+    credentials = server_credentials(auth, internal=False)
+    return Router(settings, tokenizer, pool, telemetry, pools, client_keys(auth), credentials)

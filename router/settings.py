@@ -7,7 +7,9 @@ from typing import Protocol
 
 from tandem.v1 import worker_pb2
 
-from cluster.config import SLOConfig
+from cluster.arch import ModelArch
+from cluster.config import ClusterConfig, SLOConfig
+from cluster.tokenizer import Tokenizer
 from router.validate import Limits
 
 
@@ -36,3 +38,26 @@ class PoolAdmin(Protocol):
     def scale(self, role: str, replicas: int | None) -> worker_pb2.PoolStatus: ...
 
     def pool_status(self) -> list[worker_pb2.PoolStatus]: ...
+
+
+def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Tokenizer) -> RouterSettings:
+    m, r = config.model, config.router
+    context = min(m.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    secret = config.auth.cluster_secret
+    return RouterSettings(
+        model_name=m.served_name,
+        architecture=arch.architecture,
+        limits=Limits(context, arch.vocab_size, r.max_stop_strings),
+        block_size=config.cache.block_size,
+        eos_token_ids=tokenizer.eos_token_ids,
+        has_chat_template=tokenizer.chat_template is not None,
+        dtype=m.dtype,
+        slo=config.slo,
+        max_queued_requests=r.max_queued_requests,
+        local_prefill_max_tokens=r.local_prefill_max_tokens,
+        metrics_port=config.telemetry.metrics_port,
+        capability_secret=secret.get_secret_value().encode() if secret else None,
+        capability_ttl_s=config.auth.capability_ttl_s,
+        migration_limit=r.migration_limit,
+        migration_wait_s=r.migration_wait_s,
+    )
