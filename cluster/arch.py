@@ -59,7 +59,10 @@ class ModelArch:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelArch:
-        path = Path(folder) / "config.json"
+        """From `folder`'s config.json; a `.gguf` file is read through its imported folder."""
+        from cluster.gguf import model_folder  # it imports this module
+
+        path = model_folder(folder) / "config.json"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:

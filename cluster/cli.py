@@ -2,6 +2,7 @@
 `serve`, `status` and cluster-backed `generate` to these):
 
 tandem model init --preset tiny --out DIR     write a random-weight model folder
+tandem model import-gguf FILE --out DIR       write the model folder of a llama.cpp GGUF file
 tandem generate --model DIR --prompt TEXT     complete a prompt in this process
 tandem config check FILE                      validate a cluster config file
 """
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     add_commands(commands)
     gen = commands.add_parser("generate", help="complete a prompt with a model folder, in this process")
-    gen.add_argument("--model", required=True, help="Hugging Face model folder")
+    gen.add_argument("--model", required=True, help="Hugging Face model folder or .gguf file")
     gen.add_argument("--prompt", required=True, help="text to complete")
     add_generate_options(gen)
     gen.set_defaults(run=offline_generate)
@@ -61,6 +62,22 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     quant.add_argument("--out", required=True, help="folder to write")
     quant.set_defaults(run=_model_quantize)
+    gguf = model.add_parser("import-gguf", help="write the model folder of a llama.cpp GGUF file")
+    gguf.add_argument("file", help="the .gguf file")
+    gguf.add_argument("--out", required=True, help="folder to write (absent or empty)")
+    gguf.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep Q4_0/Q4_1 blocks as int4 weights (group size 32) instead of dequantising them",
+    )
+    gguf.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="with --keep-quantized: scales', embedding's and norms' dtype, the one the folder loads in "
+        "(default float32, which holds the file's fp16 scales exactly)",
+    )
+    gguf.set_defaults(run=_model_import_gguf)
 
     config = commands.add_parser("config", help="cluster config files").add_subparsers(required=True, metavar="ACTION")
     check = config.add_parser("check", help="validate a YAML or JSON cluster config")
@@ -95,14 +112,22 @@ def _model_quantize(args: argparse.Namespace) -> None:
     print(f"wrote {args.weight_dtype} weights of {source} to {args.out} ({mib:.1f} MiB read per step)")
 
 
+def _model_import_gguf(args: argparse.Namespace) -> None:
+    from cluster.gguf import import_gguf
+
+    print(import_gguf(args.file, args.out, args.keep_quantized, args.dtype).summary())
+
+
 def offline_generate(args: argparse.Namespace) -> None:
     """`tandem generate --model DIR`: the model in this process, no cluster."""
     from cluster.generate import generate
+    from cluster.gguf import model_folder
     from cluster.loader import load_model
     from cluster.tokenizer import Tokenizer
 
-    model = load_model(args.model, args.dtype)
-    tok = Tokenizer(args.model)
+    folder = model_folder(args.model)  # a .gguf file is imported once, then read from its folder
+    model = load_model(folder, args.dtype)
+    tok = Tokenizer(folder)
     chat = [{"role": "user", "content": args.prompt}]
     prompt = tok.encode_chat(chat) if args.chat else tok.encode(args.prompt)
     start = time.perf_counter()

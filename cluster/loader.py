@@ -3,7 +3,8 @@
 One table maps each Hugging Face tensor name to a parameter of `cluster.model.CausalLM` and, for
 fused projections, the row slice it fills. Loading raises, naming the tensor, on anything missing,
 extra, mis-shaped or of a non-float type: a silent partial load is the worst bug a server can have.
-Both a single `model.safetensors` and shards listed by `model.safetensors.index.json` are read.
+Both a single `model.safetensors` and shards listed by `model.safetensors.index.json` are read;
+`load_model` also takes a `.gguf` file, imported once into a cache folder (`cluster.gguf`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from cluster.arch import ModelArch, ModelFormatError
+from cluster.gguf import model_folder
 from cluster.model import CausalLM, rope_inv_freq
 from cluster.quant import quantize, quantized_skeleton
 
@@ -138,8 +140,9 @@ def load_model(
 ) -> CausalLM:
     """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`; with
     `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.quant`). A folder written
-    by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's)."""
-    folder = Path(folder)
+    by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's).
+    A `.gguf` file loads through its imported folder (`cluster.gguf.model_folder`)."""
+    folder = model_folder(folder)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     arch = ModelArch.from_folder(folder)
@@ -180,19 +183,21 @@ def save_quantized(model: CausalLM, source: Path, out: Path) -> None:
     config[QUANT_KEY] = model.quantization
     (out / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if (
-        model.arch.tie_word_embeddings
-        and "lm_head.weight" in state
-        and state["lm_head.weight"] is state.get("embed_tokens.weight")
-    ):
+    if _tied_head(model):
         del state["lm_head.weight"]
     save_file(state, str(out / SINGLE_FILE))
+
+
+def _tied_head(model: CausalLM) -> bool:
+    """Whether the LM head is the embedding table itself (tied and left unquantised). Asked of the
+    modules: `state_dict()` detaches each tensor, so its entries are never the same object."""
+    return getattr(model.lm_head, "weight", None) is model.embed_tokens.weight
 
 
 def _load_state(model: CausalLM, folder: Path) -> None:
     """Loads a folder `save_quantized` wrote: exactly the model's own tensors, or an error naming one."""
     expected = model.state_dict()
-    if model.arch.tie_word_embeddings and expected.get("lm_head.weight") is expected.get("embed_tokens.weight"):
+    if _tied_head(model):
         expected.pop("lm_head.weight")
     state = dict(iter_tensors(folder))
     for name in sorted(set(expected) | set(state)):
