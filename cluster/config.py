@@ -24,7 +24,10 @@ class _Part(BaseModel):
 
 
 class ModelConfig(_Part):
-    path: Path = Field(description="Hugging Face model folder: config.json, *.safetensors, tokenizer.json.")
+    path: Path = Field(
+        description="Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a GGUF file, "
+        "imported once into a folder under ~/.cache/tandem/gguf."
+    )
     name: str | None = Field(default=None, description="Name clients use for the model; defaults to the folder's name.")
     dtype: Literal["float32", "bfloat16"] = Field(
         default="bfloat16", description="Element type of weights, activations and the KV cache."

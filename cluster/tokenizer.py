@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from cluster.arch import ModelFormatError
+from cluster.gguf import model_folder
 
 
 class ChatTemplateError(ValueError):
@@ -29,7 +30,7 @@ class ChatTemplateError(ValueError):
 
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
-        folder = Path(folder)
+        folder = model_folder(folder)  # a .gguf file is imported once into a folder
         path = folder / "tokenizer.json"
         if not path.exists():
             raise ModelFormatError(f"{path} is missing")
