@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cluster.config import CacheConfig, SchedulerConfig  # noqa: E402
-from cluster.loader import load_model  # noqa: E402
-from cluster.model_builder import init_model_folder  # noqa: E402
-from cluster.request import Request, SamplingParams, ScheduledChunk, StepPlan  # noqa: E402
-from cluster.sampler import SampleRow  # noqa: E402
+from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan  # noqa: E402
+from cluster.engine.sampler import SampleRow  # noqa: E402
+from cluster.model.builder import init_model_folder  # noqa: E402
+from cluster.model.loader import load_model  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -316,8 +316,8 @@ QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
 
 def quantised(folder: Path, batches: list[int], repeat: int) -> list[dict]:
     """Section 4: each setting's compiled decode step against the bfloat16 one, same run."""
-    from cluster.attention import kv_row_bytes
-    from cluster.quant import weight_bytes
+    from cluster.model.attention import kv_row_bytes
+    from cluster.model.quant import weight_bytes
 
     print(f"\nfewer bytes per token (bfloat16 activations, compiled decode, {CONTEXT}-token context)")
     print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}"

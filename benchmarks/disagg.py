@@ -188,7 +188,7 @@ def main() -> None:
     if args.worker:
         worker_main(args.worker, args.cpus, os.environ["TANDEM_CONFIG"])
         return
-    from cluster.model_builder import init_model_folder
+    from cluster.model.builder import init_model_folder
 
     with tempfile.TemporaryDirectory() as folder:
         init_model_folder(folder, "smollm-135m", dtype="bfloat16", seed=0)

@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig  # noqa: E402
-from cluster.kv_collective import CollectiveGroups  # noqa: E402
-from cluster.kv_grpc import CollectiveSender, serve  # noqa: E402
-from cluster.kv_transport import TransferState  # noqa: E402
-from cluster.kv_wire import KVHeader, make_chunk, model_fingerprint  # noqa: E402
-from cluster.loader import load_model  # noqa: E402
-from cluster.model_builder import init_model_folder  # noqa: E402
-from cluster.request import SamplingParams  # noqa: E402
+from cluster.engine.request import SamplingParams  # noqa: E402
+from cluster.kv.collective import CollectiveGroups  # noqa: E402
+from cluster.kv.grpc_transport import CollectiveSender, serve  # noqa: E402
+from cluster.kv.transport import TransferState  # noqa: E402
+from cluster.kv.wire import KVHeader, make_chunk, model_fingerprint  # noqa: E402
+from cluster.model.builder import init_model_folder  # noqa: E402
+from cluster.model.loader import load_model  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
 from decode_worker.kv_intake import KVIntake  # noqa: E402
 from prefill_worker.engine import PrefillEngine  # noqa: E402

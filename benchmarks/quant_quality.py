@@ -6,7 +6,7 @@ Models: the bundled demo model (`models/tandem-demo-code`) on its held-out text 
 tokens), and the `tiny` random-weight preset on random tokens (8 windows of 256), both in bfloat16.
 For each setting: held-out loss (nats per token) against the unquantised model's, and top-1
 agreement: the share of positions where both predict the same next token on the same text
-(`cluster.quality`). Prints a table and writes `benchmarks/results/quant_quality.{json,png}`.
+(`cluster.model.quality`). Prints a table and writes `benchmarks/results/quant_quality.{json,png}`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from cluster.loader import load_model  # noqa: E402
-from cluster.model_builder import init_model_folder  # noqa: E402
-from cluster.quality import agreement, heldout_windows, random_windows, score  # noqa: E402
-from cluster.tokenizer import Tokenizer  # noqa: E402
+from cluster.model.builder import init_model_folder  # noqa: E402
+from cluster.model.loader import load_model  # noqa: E402
+from cluster.model.quality import agreement, heldout_windows, random_windows, score  # noqa: E402
+from cluster.model.tokenizer import Tokenizer  # noqa: E402
 
 DEMO = ROOT / "models" / "tandem-demo-code"
 OUT = ROOT / "benchmarks" / "results"

@@ -8,7 +8,7 @@ last-level cache holds, as in a decode step), in float32 and bfloat16. For each 
 64, both kernels run every matrix once, repeats interleaved; the median time gives the weight bytes
 read per second, the arithmetic rate and the ratio. `F.linear` here multiplies unpacked weights;
 compiled decode graphs hand torch's products weights prepacked for oneDNN, which is faster from
-about 24 bfloat16 rows (see `cluster.cpu_kernels.SKINNY_ROWS`). Prints a table, writes
+about 24 bfloat16 rows (see `cluster.model.cpu_kernels.SKINNY_ROWS`). Prints a table, writes
 `benchmarks/results/skinny_linear.{json,png}`.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster import cpu_kernels  # noqa: E402
+from cluster.model import cpu_kernels  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # smollm-135m: qkv, o, gate_up, down

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from cluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
-from cluster.loader import load_model  # noqa: E402
-from cluster.request import SamplingParams  # noqa: E402
-from cluster.speculative import build_proposer  # noqa: E402
-from cluster.tokenizer import Tokenizer  # noqa: E402
+from cluster.engine.request import SamplingParams  # noqa: E402
+from cluster.engine.speculative import build_proposer  # noqa: E402
+from cluster.model.loader import load_model  # noqa: E402
+from cluster.model.tokenizer import Tokenizer  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
 
 DEMO = ROOT / "models" / "tandem-demo-code"

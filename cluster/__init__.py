@@ -1,8 +1,16 @@
-"""Tandem's cluster core: what every role shares.
+"""Tandem's cluster core: what every role shares, in four subpackages and a few top-level modules.
 
-The config schema (`config`), the model's architecture (`arch`), the Llama-family forward pass over
-a paged KV cache (`model`, `attention`), strict loading of a Hugging Face model folder (`loader`,
-`tokenizer`), random-weight model folders for tests and benchmarks (`model_builder`), offline
-generation (`generate`) and the `tandem` command line (`cli`). Imports nothing from the workers or
-the router.
+- `cluster.model`: the model itself (architecture, the forward pass over a paged KV cache, loading,
+  tokenizer and chat template, quantisation, CPU kernels).
+- `cluster.engine`: the engine core both workers share (requests and step plans, block manager,
+  sampler, speculative proposers, model runner, compiled decode).
+- `cluster.kv`: moving KV caches between processes (wire format, transport contract, `grpc`,
+  `collective`, `local`).
+- `cluster.pools`: Ray at the edge (actors, pool controllers, the autoscaling policy).
+
+At the top: the config schema (`config`), traces and metrics (`telemetry`), serving-metric and SLO
+definitions (`slo`), credentials (`auth`, `tls`), gRPC servers (`grpc_server`), the wedged-engine
+canary (`watchdog`), offline generation (`generate`) and the commands that need no cluster (`cli`).
+Imports nothing from the workers or the router; `tests/test_layering.py` holds each subpackage to
+its layer.
 """

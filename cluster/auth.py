@@ -23,7 +23,7 @@ import grpc
 from tandem.v1 import kv_transfer_pb2 as pb
 
 from cluster.config import AuthConfig
-from cluster.kv_wire import TransferError
+from cluster.kv.wire import TransferError
 
 SECRET_HEADER = "x-tandem-cluster-secret"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)

@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.arch import ARCHITECTURES, ModelFormatError
 from cluster.config import ConfigError, load_config
-from cluster.model_builder import PRESETS
+from cluster.model.arch import ARCHITECTURES, ModelFormatError
+from cluster.model.builder import PRESETS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,7 +94,7 @@ def add_generate_options(gen: argparse.ArgumentParser) -> None:
 
 
 def _model_init(args: argparse.Namespace) -> None:
-    from cluster.model_builder import init_model_folder
+    from cluster.model.builder import init_model_folder
 
     shard = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
     out = init_model_folder(args.out, args.preset, args.arch, args.dtype, args.seed, shard)
@@ -102,8 +102,8 @@ def _model_init(args: argparse.Namespace) -> None:
 
 
 def _model_quantize(args: argparse.Namespace) -> None:
-    from cluster.loader import load_model, save_quantized
-    from cluster.quant import weight_bytes
+    from cluster.model.loader import load_model, save_quantized
+    from cluster.model.quant import weight_bytes
 
     source = Path(args.model)
     model = load_model(source, args.dtype, "cpu", args.weight_dtype, args.group_size, not args.keep_lm_head)
@@ -113,7 +113,7 @@ def _model_quantize(args: argparse.Namespace) -> None:
 
 
 def _model_import_gguf(args: argparse.Namespace) -> None:
-    from cluster.gguf import import_gguf
+    from cluster.model.gguf import import_gguf
 
     print(import_gguf(args.file, args.out, args.keep_quantized, args.dtype).summary())
 
@@ -121,9 +121,9 @@ def _model_import_gguf(args: argparse.Namespace) -> None:
 def offline_generate(args: argparse.Namespace) -> None:
     """`tandem generate --model DIR`: the model in this process, no cluster."""
     from cluster.generate import generate
-    from cluster.gguf import model_folder
-    from cluster.loader import load_model
-    from cluster.tokenizer import Tokenizer
+    from cluster.model.gguf import model_folder
+    from cluster.model.loader import load_model
+    from cluster.model.tokenizer import Tokenizer
 
     folder = model_folder(args.model)  # a .gguf file is imported once, then read from its folder
     model = load_model(folder, args.dtype)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata
-from cluster.model import CausalLM
+from cluster.model.attention import KVCache, SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.model.causal_lm import CausalLM
 
 
 @dataclass

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import api_pb2
 
-from cluster.request import SamplingParams, params_from_proto
+from cluster.engine.request import SamplingParams, params_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from cluster.request import SamplingParams
+from cluster.engine.request import SamplingParams
 from decode_worker.engine import Engine, RequestOutput
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.request import Request, StepPlan
+from cluster.engine.request import Request, StepPlan
 from decode_worker.scheduler import Scheduler
 
 EarlyStopping = str  # "true", "false" or "never"

@@ -10,7 +10,7 @@
 samples. The engine adds what a client sees: text deltas, stop strings, logprobs, and
 `RequestOutput`s. Aborting a request frees its blocks at once.
 
-With a proposer (`cluster.speculative`), each step first asks it for draft tokens for the decoding
+With a proposer (`cluster.engine.speculative`), each step first asks it for draft tokens for the decoding
 requests, the scheduler adds them to the plan, one pass scores them all (each token a decode row,
 through a compiled graph where one fits), and `Sampler.verify` keeps what the target model agrees
 with: a request may gain several tokens in a step. Requests with and without speculation, and with
@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.block_manager import BlockManager
-from cluster.compiled import CompiledDecode
 from cluster.config import CacheConfig, SchedulerConfig
-from cluster.model import CausalLM
-from cluster.model_runner import ModelRunner, num_kv_blocks
-from cluster.request import Request, SamplingParams, ScheduledChunk, StepPlan
-from cluster.sampler import Draft, Sampler, SampleRow, TokenLogprob
-from cluster.speculative import DraftProposer, Proposer
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.compiled import CompiledDecode
+from cluster.engine.model_runner import ModelRunner, num_kv_blocks
+from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan
+from cluster.engine.sampler import Draft, Sampler, SampleRow, TokenLogprob
+from cluster.engine.speculative import DraftProposer, Proposer
+from cluster.model.causal_lm import CausalLM
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
 from decode_worker.scheduler import Scheduler

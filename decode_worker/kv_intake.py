@@ -1,4 +1,4 @@
-"""The receiving end of KV transfers on a decode worker (a `cluster.kv_transport.KVReceiver`).
+"""The receiving end of KV transfers on a decode worker (a `cluster.kv.transport.KVReceiver`).
 
 Lifecycle of one transfer:
 
@@ -27,8 +27,8 @@ import grpc
 import torch
 
 from cluster.auth import verify_capability
-from cluster.kv_transport import TransferState
-from cluster.kv_wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferError, verify_chunk
+from cluster.kv.transport import TransferState
+from cluster.kv.wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferError, verify_chunk
 from decode_worker.engine import Engine
 
 

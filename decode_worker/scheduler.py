@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
-from cluster.request import Request, ScheduledChunk, Status, StepPlan
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import Request, ScheduledChunk, Status, StepPlan
 
 
 @dataclass

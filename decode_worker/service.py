@@ -25,15 +25,15 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.auth import cluster_secret
 from cluster.config import ClusterConfig, TelemetryConfig
+from cluster.engine.speculative import build_proposer
 from cluster.grpc_server import Server, admit_submit, start_server
-from cluster.kv_collective import CollectiveGroups
-from cluster.kv_grpc import TCP_READ_OPTIONS, KVTransferService, handlers
-from cluster.kv_wire import model_fingerprint
-from cluster.loader import load_model
-from cluster.speculative import build_proposer
+from cluster.kv.collective import CollectiveGroups
+from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
+from cluster.kv.wire import model_fingerprint
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import server_credentials
-from cluster.tokenizer import Tokenizer
 from cluster.watchdog import Watchdog
 from decode_worker.engine import Engine, RequestOutput
 from decode_worker.kv_intake import KVIntake

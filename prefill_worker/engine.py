@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.block_manager import BlockManager
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.kv_transport import KVSender, SendStream
-from cluster.kv_wire import DTYPE_NAMES, KVHeader, make_chunk, model_fingerprint
-from cluster.model import CausalLM
-from cluster.model_runner import ModelRunner
-from cluster.request import Request, SamplingParams, ScheduledChunk
-from cluster.sampler import Sampler, SampleRow
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.request import Request, SamplingParams, ScheduledChunk
+from cluster.engine.sampler import Sampler, SampleRow
+from cluster.kv.transport import KVSender, SendStream
+from cluster.kv.wire import DTYPE_NAMES, KVHeader, make_chunk, model_fingerprint
+from cluster.model.causal_lm import CausalLM
 from prefill_worker.scheduler import PrefillScheduler
 
 

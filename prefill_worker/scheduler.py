@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
-from cluster.request import Request, ScheduledChunk, Status, StepPlan
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import Request, ScheduledChunk, Status, StepPlan
 
 
 class PrefillScheduler:

@@ -23,15 +23,15 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.auth import cluster_secret, secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, TelemetryConfig, TransferConfig
+from cluster.engine.model_runner import num_kv_blocks
 from cluster.grpc_server import Server, admit_submit, start_server
-from cluster.kv_collective import CollectiveGroups
-from cluster.kv_grpc import CollectiveSender, GrpcSender
-from cluster.kv_transport import KVSender, TransferState
-from cluster.loader import load_model
-from cluster.model_runner import num_kv_blocks
+from cluster.kv.collective import CollectiveGroups
+from cluster.kv.grpc_transport import CollectiveSender, GrpcSender
+from cluster.kv.transport import KVSender, TransferState
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
-from cluster.tokenizer import Tokenizer
 from cluster.watchdog import Watchdog
 from prefill_worker.engine import PrefillEngine, PrefillOutput
 

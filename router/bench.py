@@ -65,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.config is None:
         return _bench(args, args.target)
-    from cluster import ray_cluster
     from cluster.config import load_config
+    from cluster.pools import ray_cluster
     from router.server import from_config
 
     config = load_config(args.config)

@@ -31,10 +31,10 @@ from collections.abc import Sequence
 import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
-from cluster.arch import ModelFormatError
 from cluster.auth import api_keys
 from cluster.cli import add_commands, add_generate_options, offline_generate
 from cluster.config import ConfigError, serve_config
+from cluster.model.arch import ModelFormatError
 from router.client import Client, TandemError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster import ray_cluster
+    from cluster.pools import ray_cluster
     from router.server import from_config
 
     config = serve_config(args.config, args.model)

@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.v1 import api_pb2
 
-from cluster.request import EARLY_STOPPING
+from cluster.engine.request import EARLY_STOPPING
 from router.openai_fields import CHAT, COMPLETIONS, FieldError, check
 
 SAMPLING = {  # body field -> tandem.v1.SamplingParams field (stop_token_ids is a list)

@@ -14,7 +14,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from tandem.v1 import api_pb2
 
-from cluster.request import SamplingParams
+from cluster.engine.request import SamplingParams
 from cluster.slo import RequestTiming, SLOWindow, Targets
 from cluster.telemetry import Telemetry, inject
 from router.placement import Choice

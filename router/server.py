@@ -26,15 +26,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from cluster.arch import ModelArch
 from cluster.auth import client_keys, mint_capability, secret_metadata
 from cluster.config import ClusterConfig
+from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.grpc_server import Server, start_server
-from cluster.request import SamplingParams, params_to_proto
+from cluster.model.arch import ModelArch
+from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
-from cluster.tokenizer import Tokenizer
 from router.placement import Choice, NoCapacity, choose
 from router.pool import WorkerPool
 from router.relay import (

@@ -7,9 +7,9 @@ from typing import Protocol
 
 from tandem.v1 import worker_pb2
 
-from cluster.arch import ModelArch
 from cluster.config import ClusterConfig, SLOConfig
-from cluster.tokenizer import Tokenizer
+from cluster.model.arch import ModelArch
+from cluster.model.tokenizer import Tokenizer
 from router.validate import Limits
 
 
@@ -33,7 +33,7 @@ class RouterSettings:
 
 
 class PoolAdmin(Protocol):
-    """The pool controllers, as the router's Admin service sees them (`cluster.ray_cluster.RayCluster`)."""
+    """The pool controllers, as the router's Admin service sees them (`cluster.pools.ray_cluster.RayCluster`)."""
 
     def scale(self, role: str, replicas: int | None) -> worker_pb2.PoolStatus: ...
 

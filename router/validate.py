@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tandem.v1 import api_pb2
 
-from cluster.request import SamplingParams, params_from_proto
+from cluster.engine.request import SamplingParams, params_from_proto
 
 MAX_BEAMS = 16  # each beam is a sequence in the decode batch
 _ID = re.compile(r"[A-Za-z0-9_.:/-]+")  # ids travel in gRPC metadata, which takes printable ASCII only

@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cluster.arch import ModelArch
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
-from cluster.loader import export_weights, load_model
-from cluster.model import CausalLM
-from cluster.model_builder import Preset, hf_config, save_weights, train_tokenizer, write_tokenizer
-from cluster.tokenizer import Tokenizer
+from cluster.model.arch import ModelArch
+from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.model.builder import Preset, hf_config, save_weights, train_tokenizer, write_tokenizer
+from cluster.model.causal_lm import CausalLM
+from cluster.model.loader import export_weights, load_model
+from cluster.model.tokenizer import Tokenizer
 
 EOT = 0  # <|endoftext|> separates files in the token stream
 SEQ_LEN = 256

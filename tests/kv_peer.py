@@ -14,11 +14,11 @@ import os
 import sys
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.kv_collective import CollectiveGroups
-from cluster.kv_grpc import CollectiveSender
-from cluster.kv_transport import TransferState
-from cluster.loader import load_model
-from cluster.request import SamplingParams
+from cluster.engine.request import SamplingParams
+from cluster.kv.collective import CollectiveGroups
+from cluster.kv.grpc_transport import CollectiveSender
+from cluster.kv.transport import TransferState
+from cluster.model.loader import load_model
 from prefill_worker.engine import PrefillEngine
 
 

@@ -13,10 +13,10 @@ from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cluster.auth import SECRET_HEADER, mint_capability
 from cluster.config import parse_config
-from cluster.kv_grpc import GrpcSender
-from cluster.kv_transport import TransferState
-from cluster.kv_wire import KVHeader, make_chunk
-from cluster.request import SamplingParams
+from cluster.engine.request import SamplingParams
+from cluster.kv.grpc_transport import GrpcSender
+from cluster.kv.transport import TransferState
+from cluster.kv.wire import KVHeader, make_chunk
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
 from router import server as router_server

@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from cluster.autoscaling import PolicyState, Signals, decide, wanted
 from cluster.config import AutoscalingConfig
+from cluster.pools.autoscaling import PolicyState, Signals, decide, wanted
 
 CONFIG = AutoscalingConfig(
     min_replicas=1, max_replicas=4, upscale_delay_s=10, downscale_delay_s=60, max_step=1,
@@ -112,7 +112,7 @@ class FakeWorkers:
 
 def controller(replicas=2, **autoscaling):
     from cluster.config import PoolConfig, SLOConfig
-    from cluster.pool_controller import PoolController
+    from cluster.pools.controller import PoolController
 
     bounds = dict(min_replicas=1, max_replicas=3, upscale_delay_s=0, downscale_delay_s=0, drain_grace_s=2)
     pool = PoolConfig(replicas=replicas, autoscaling={**bounds, **autoscaling})

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
 from cluster.generate import generate
-from cluster.loader import load_model
+from cluster.model.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
+from cluster.model.loader import load_model
 
 BLOCK = 8
 # (tokens already in the KV cache, tokens computed in the mixed pass)
@@ -124,7 +124,7 @@ def test_metadata_rejects_short_block_table():
 def test_decode_attention_reductions_equal_the_sdpa_path(dtype):
     """The compiled-decode attention (plain reductions over the paged cache, used where the CPU
     kernel cannot be built) equals the gather-then-SDPA path."""
-    from cluster.attention import _attend_padded, _decode_attention, _write_kv
+    from cluster.model.attention import _attend_padded, _decode_attention, _write_kv
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, hd, blocks = 6, 2, 16, 12
@@ -150,7 +150,7 @@ def test_whole_prompts_take_the_causal_path_and_equal_the_masked_one(dtype):
     """A group of chunks that all start at position 0 attends with SDPA's own causal rule; the
     result equals the general masked path, prompts of different lengths padded alike. A group with
     a chunk that does not start at 0 is not causal."""
-    from cluster.attention import _attend_padded
+    from cluster.model.attention import _attend_padded
 
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, hd = 6, 2, 16

@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from cluster.block_manager import BlockManager
 from cluster.config import CacheConfig, SchedulerConfig
-from cluster.loader import load_model
-from cluster.request import SamplingParams
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import SamplingParams
+from cluster.model.loader import load_model
 from decode_worker.beam import BeamSearch
 from decode_worker.engine import Engine
 from tests.conftest import drive, write_hf_model

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.block_manager import BlockManager, NoFreeBlocks, kv_block_bytes, num_blocks_for_budget
+from cluster.engine.block_manager import BlockManager, NoFreeBlocks, kv_block_bytes, num_blocks_for_budget
 
 BS = 4
 

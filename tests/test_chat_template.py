@@ -14,8 +14,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from cluster.arch import ModelFormatError
-from cluster.tokenizer import Tokenizer
+from cluster.model.arch import ModelFormatError
+from cluster.model.tokenizer import Tokenizer
 
 CHATML = (  # SmolLM2-Instruct's: the BOS is <|im_start|>, which the post-processor also adds
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -18,11 +18,11 @@ import pytest
 import ray
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from cluster import ray_cluster
 from cluster.config import parse_config
-from cluster.loader import load_model
-from cluster.request import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.engine.request import SamplingParams
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
+from cluster.pools import ray_cluster
 from decode_worker.engine import Engine
 from router.cli import main as cli
 from router.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster import ray_cluster
 from cluster.config import parse_config
-from cluster.loader import load_model
-from cluster.request import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.engine.request import SamplingParams
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
+from cluster.pools import ray_cluster
 from decode_worker.engine import Engine
 from router.client import Client
 from router.server import from_config

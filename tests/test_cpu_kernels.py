@@ -1,4 +1,4 @@
-"""The CPU kernels (`cluster/cpu_kernels.py`) against torch's own paths on the same inputs."""
+"""The CPU kernels (`cluster/model/cpu_kernels.py`) against torch's own paths on the same inputs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster import cpu_kernels
-from cluster.attention import (
+from cluster.model import cpu_kernels
+from cluster.model.attention import (
     SeqChunk,
     _attend_padded,
     _write_kv,
@@ -16,8 +16,8 @@ from cluster.attention import (
     paged_attention,
     quantize_rows,
 )
-from cluster.cpu_kernels import SKINNY_MAX_ROWS, SKINNY_ROWS
-from cluster.model import Linear
+from cluster.model.causal_lm import Linear
+from cluster.model.cpu_kernels import SKINNY_MAX_ROWS, SKINNY_ROWS
 
 BLOCK = 8
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")

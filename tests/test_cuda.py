@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, SchedulerConfig
+from cluster.engine.request import SamplingParams
 from cluster.generate import generate
-from cluster.loader import load_model
-from cluster.request import SamplingParams
+from cluster.model.loader import load_model
 from decode_worker.engine import Engine
 
 pytestmark = [

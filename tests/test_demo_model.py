@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cluster.generate import generate
-from cluster.loader import load_model
-from cluster.tokenizer import Tokenizer
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.kv_collective import CollectiveGroups
-from cluster.kv_grpc import CollectiveSender, GrpcSender, serve
-from cluster.kv_transport import LocalSender, TransferState
-from cluster.kv_wire import model_fingerprint
-from cluster.loader import load_model
-from cluster.request import SamplingParams
+from cluster.engine.request import SamplingParams
+from cluster.kv.collective import CollectiveGroups
+from cluster.kv.grpc_transport import CollectiveSender, GrpcSender, serve
+from cluster.kv.transport import LocalSender, TransferState
+from cluster.kv.wire import model_fingerprint
+from cluster.model.loader import load_model
 from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 from prefill_worker.engine import PrefillEngine
@@ -186,7 +186,7 @@ def test_lease_expiry_releases_blocks_when_the_decode_worker_vanishes(model):
 
     class Silent:  # a decode worker that never answers
         def open(self, header):
-            from cluster.kv_transport import SendStream
+            from cluster.kv.transport import SendStream
 
             class Hang(SendStream):
                 def _run(self):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, SchedulerConfig
+from cluster.engine.request import SamplingParams
 from cluster.generate import generate
-from cluster.loader import load_model
-from cluster.model_builder import init_model_folder, train_tokenizer
-from cluster.request import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.model.builder import init_model_folder, train_tokenizer
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
 from decode_worker.async_engine import AsyncEngine
 from decode_worker.engine import Engine
 from tests.conftest import drive

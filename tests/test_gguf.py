@@ -17,14 +17,14 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
-from cluster.arch import ModelArch, ModelFormatError
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.cli import main
 from cluster.generate import generate
-from cluster.gguf import import_gguf, model_folder
-from cluster.loader import load_model
-from cluster.quant import Int4Linear
-from cluster.tokenizer import Tokenizer
+from cluster.model.arch import ModelArch, ModelFormatError
+from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.model.gguf import import_gguf, model_folder
+from cluster.model.loader import load_model
+from cluster.model.quant import Int4Linear
+from cluster.model.tokenizer import Tokenizer
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, CONTEXT = 256, 2, 4, 2, 512, 256  # rows of 256: every block size fits
 HEAD_DIM = HIDDEN // HEADS
@@ -444,8 +444,8 @@ def test_kept_q4_blocks_are_the_files_weights(tmp_path, kind, head):
 def test_a_tied_float_head_round_trips_through_save_quantized(tmp_path):
     """The folder form a kept Q8_0-embedding file uses: int4 layers, the LM head the (float) embedding
     table. save_quantized writes the tied head once and load_model ties it again."""
-    from cluster.loader import save_quantized
-    from cluster.model_builder import init_model_folder
+    from cluster.model.builder import init_model_folder
+    from cluster.model.loader import save_quantized
 
     source = init_model_folder(tmp_path / "m", "tiny", "LlamaForCausalLM", "float32")
     model = load_model(source, "float32", "cpu", "int4", 32, quantize_lm_head=False)
@@ -538,13 +538,13 @@ def test_model_folder_imports_once_per_content(tiny_files, tmp_path, monkeypatch
     assert kept != first and "tandem_quantization" in json.loads((kept / "config.json").read_text())
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(tiny_files["Q4_1"].read_bytes())
-    monkeypatch.setattr("cluster.gguf.import_gguf", lambda *a, **k: pytest.fail("imported again"))
+    monkeypatch.setattr("cluster.model.gguf.import_gguf", lambda *a, **k: pytest.fail("imported again"))
     assert model_folder(copy, cache) == first  # keyed by content, not by name
     assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, kept.name])  # no staging left
 
 
 def test_gguf_path_wherever_a_folder_is_accepted(tiny_files, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("cluster.gguf.DEFAULT_CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr("cluster.model.gguf.DEFAULT_CACHE_DIR", tmp_path / "cache")
     path = tiny_files["Q8_0"]
     assert ModelArch.from_folder(path).hidden_size == HIDDEN
     model = load_model(path)
@@ -595,7 +595,7 @@ REAL_TEXTS = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
     "<|endoftext|>",
     "text<|endoftext|>more text",
-    "<repo_name>tandem<file_sep>cluster/gguf.py",
+    "<repo_name>tandem<file_sep>cluster/model/gguf.py",
     "<|im_start|><|im_end|>",
     "<|im_start",
     "don't won't it's they're we've I'm you'll he'd",

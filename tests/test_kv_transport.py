@@ -12,12 +12,12 @@ import pytest
 import torch
 from tandem.v1 import kv_transfer_pb2 as pb
 
-from cluster.attention import quantize_rows
 from cluster.config import CacheConfig, SchedulerConfig
-from cluster.kv_collective import CollectiveGroups
-from cluster.kv_grpc import CollectiveSender, GrpcSender, serve
-from cluster.kv_transport import KVReceiver, LocalSender, SendStream, TransferState
-from cluster.kv_wire import (
+from cluster.engine.request import SamplingParams
+from cluster.kv.collective import CollectiveGroups
+from cluster.kv.grpc_transport import CollectiveSender, GrpcSender, serve
+from cluster.kv.transport import KVReceiver, LocalSender, SendStream, TransferState
+from cluster.kv.wire import (
     KVChunk,
     KVCommit,
     KVHeader,
@@ -31,8 +31,8 @@ from cluster.kv_wire import (
     model_fingerprint,
     serialize,
 )
-from cluster.loader import load_model
-from cluster.request import SamplingParams
+from cluster.model.attention import quantize_rows
+from cluster.model.loader import load_model
 from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 

@@ -1,9 +1,17 @@
-"""Imports point inward: workers and router import `cluster`; `cluster` imports none of them.
+"""Imports point inward, and `cluster`'s subpackages keep their layers:
+
+- workers and the router import `cluster`; `cluster` imports none of them;
+- `cluster.model` imports nothing from `cluster.engine`, `cluster.kv` or `cluster.pools`;
+- `cluster.engine` imports no `cluster.kv`, `cluster.pools`, gRPC or Ray;
+- only `cluster.pools` imports Ray (in `cluster`; the workers' Ray actors are built there too).
+
+The checker runs on the project and on a small planted tree, so a wrong import is shown to fail.
 And the code passes the project's linter."""
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -12,29 +20,88 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {
+# package (or subpackage, dotted) -> what no module under it may import (top-level or dotted prefixes)
+RULES = {
     "cluster": {"prefill_worker", "decode_worker", "router"},
     "prefill_worker": {"decode_worker", "router"},
     "decode_worker": {"prefill_worker", "router"},
     "router": {"prefill_worker", "decode_worker"},
+    "cluster.model": {"cluster.engine", "cluster.kv", "cluster.pools", "grpc", "ray"},
+    "cluster.engine": {"cluster.kv", "cluster.pools", "grpc", "ray"},
+    "cluster.kv": {"cluster.pools", "ray"},
 }
+PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router")
+RAY_ONLY_IN = "cluster.pools"  # within cluster, the one subpackage that talks to Ray
 
 
-def imported_packages(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, dotted, absolute imports only (the project uses no relative ones)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_imports_point_inward(package):
-    for path in (ROOT / package).rglob("*.py"):
-        bad = imported_packages(path) & FORBIDDEN[package]
-        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+def violations(root: Path) -> list[str]:
+    """'file imports module (rule)' for every import under `root` that breaks a rule."""
+    found = []
+    paths = [p for package in PACKAGES if (root / package).is_dir() for p in (root / package).rglob("*.py")]
+    for path in sorted(paths):
+        relative = path.relative_to(root)
+        module = ".".join(relative.with_suffix("").parts)
+        imports = imported_modules(path)
+        for package, forbidden in RULES.items():
+            if module != package and not module.startswith(package + "."):
+                continue
+            for name in sorted(imports):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    found.append(f"{relative} imports {name} (a {package} module must not)")
+        if module.startswith("cluster.") and not module.startswith(RAY_ONLY_IN):
+            for name in sorted(imports):
+                if name == "ray" or name.startswith("ray."):
+                    found.append(f"{relative} imports {name} (only {RAY_ONLY_IN} imports Ray)")
+    return sorted(set(found))
+
+
+def test_the_project_keeps_its_layers():
+    assert violations(ROOT) == []
+
+
+def plant(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "complaint"),
+    [
+        ("cluster/model/causal_lm.py", "from cluster.engine.sampler import Sampler\n", "cluster.engine.sampler"),
+        ("cluster/model/loader.py", "import cluster.kv.wire\n", "cluster.kv.wire"),
+        ("cluster/engine/sampler.py", "import grpc\n", "imports grpc"),
+        ("cluster/engine/request.py", "from cluster.pools import ray_cluster\n", "cluster.pools"),
+        ("cluster/kv/wire.py", "import ray\n", "imports ray"),
+        ("cluster/telemetry.py", "from ray.util import metrics\n", "only cluster.pools imports Ray"),
+        ("cluster/config.py", "from router.client import Client\n", "router.client"),
+        ("decode_worker/engine.py", "import prefill_worker.engine\n", "prefill_worker.engine"),
+    ],
+)
+def test_a_planted_wrong_import_is_caught(tmp_path, name, source, complaint):
+    fine = {
+        "cluster/pools/ray_cluster.py": "import ray\nfrom cluster.model import arch\n",
+        "cluster/engine/model_runner.py": "from cluster.model.causal_lm import CausalLM\n",
+        "cluster/kv/grpc_transport.py": "import grpc\nfrom cluster.engine.request import Request\n",
+        "router/server.py": "from cluster.kv import wire\n",
+    }
+    assert violations(plant(tmp_path / "fine", fine)) == []
+    found = violations(plant(tmp_path / "bad", {**fine, name: source}))
+    assert len(found) >= 1 and all(complaint in f or name in f for f in found), found
+    assert any(complaint in f for f in found), found
 
 
 def test_ruff_clean():
@@ -43,3 +110,26 @@ def test_ruff_clean():
     for args in (["check", "."], ["format", "--check", "."]):
         result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_map_names_every_module():
+    """docs/map.md has a row for every module of `cluster` (under its subpackage's heading) and of
+    the workers and the router, so the map cannot fall behind the tree."""
+    text = (ROOT / "docs" / "map.md").read_text()
+    sections = {m.group(1): m.start() for m in re.finditer(r"^## `(cluster[\w.]*)`", text, re.M)}
+    assert {"cluster", "cluster.model", "cluster.engine", "cluster.kv", "cluster.pools"} <= set(sections)
+    missing = []
+    for path in sorted((ROOT / "cluster").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            continue
+        package, name = ".".join(parts[:-1]), parts[-1]
+        start = sections[package]
+        end = min([s for s in sections.values() if s > start] + [len(text)])
+        if f"| `{name}` |" not in text[start:end]:
+            missing.append(f"{'/'.join(parts)}.py (in the {package} table)")
+    for package in ("prefill_worker", "decode_worker", "router"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            if path.stem != "__init__" and f"| `{package}/{path.stem}` |" not in text:
+                missing.append(f"{package}/{path.name}")
+    assert not missing, f"docs/map.md lacks rows for {missing}"

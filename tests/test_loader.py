@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.arch import ModelArch, ModelFormatError
-from cluster.loader import load_model
+from cluster.model.arch import ModelArch, ModelFormatError
+from cluster.model.loader import load_model
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from cluster.arch import ARCHITECTURES, ModelArch
 from cluster.cli import main
 from cluster.generate import generate
-from cluster.loader import load_model
-from cluster.model_builder import PRESETS, init_model_folder, train_tokenizer
-from cluster.tokenizer import ChatTemplateError, Tokenizer
+from cluster.model.arch import ARCHITECTURES, ModelArch
+from cluster.model.builder import PRESETS, init_model_folder, train_tokenizer
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import ChatTemplateError, Tokenizer
 
 CODE = 'def greet(name: str) -> str:\n    """Say hello."""\n    return f"hello, {name}!"  # ünïcödé ✓\n'
 

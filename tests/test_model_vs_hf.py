@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.generate import generate
-from cluster.loader import load_model
-from cluster.model import CausalLM
+from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.model.causal_lm import CausalLM
+from cluster.model.loader import load_model
 from tests.conftest import HF_MODELS
 
 NEW_TOKENS = 32

@@ -15,8 +15,8 @@ import ray
 from ray.cluster_utils import AutoscalingCluster
 from ray.util.state import list_actors, list_nodes
 
-from cluster import ray_cluster
 from cluster.config import parse_config
+from cluster.pools import ray_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"

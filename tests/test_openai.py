@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from cluster.config import parse_config
-from cluster.tokenizer import Tokenizer
+from cluster.model.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
 from router import server as router_server

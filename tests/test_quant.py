@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from cluster.arch import ModelFormatError
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.kv_transport import LocalSender, TransferState
-from cluster.kv_wire import model_fingerprint
-from cluster.loader import load_model, save_quantized
-from cluster.model_builder import init_model_folder
-from cluster.quality import agreement, heldout_windows, random_windows, score
-from cluster.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, weight_bytes
-from cluster.request import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.engine.request import SamplingParams
+from cluster.kv.transport import LocalSender, TransferState
+from cluster.kv.wire import model_fingerprint
+from cluster.model.arch import ModelFormatError
+from cluster.model.builder import init_model_folder
+from cluster.model.loader import load_model, save_quantized
+from cluster.model.quality import agreement, heldout_windows, random_windows, score
+from cluster.model.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, weight_bytes
+from cluster.model.tokenizer import Tokenizer
 from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 from prefill_worker.engine import PrefillEngine

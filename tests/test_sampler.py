@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from cluster.model_builder import train_tokenizer
-from cluster.request import SamplingParams
-from cluster.sampler import Draft, Sampler, SampleRow, exponential_noise, noise, noise_key
+from cluster.engine.request import SamplingParams
+from cluster.engine.sampler import Draft, Sampler, SampleRow, exponential_noise, noise, noise_key
+from cluster.model.builder import train_tokenizer
 from decode_worker.detokenizer import IncrementalDetokenizer
 
 V = 8

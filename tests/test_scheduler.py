@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from cluster.block_manager import BlockManager
 from cluster.config import SchedulerConfig
-from cluster.request import Request, SamplingParams, Status, StepPlan
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import Request, SamplingParams, Status, StepPlan
 from decode_worker.scheduler import Scheduler
 
 EOS = 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import BUNDLED_MODEL, ConfigError, serve_config
-from cluster.model_builder import init_model_folder
+from cluster.model.builder import init_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TANDEM = str(Path(sys.executable).parent / "tandem")

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from cluster.loader import load_model
-from cluster.request import Request, SamplingParams
-from cluster.sampler import Draft, Sampler, SampleRow
-from cluster.speculative import DraftProposer, NgramProposer, build_proposer, lookup
-from cluster.tokenizer import Tokenizer
+from cluster.engine.request import Request, SamplingParams
+from cluster.engine.sampler import Draft, Sampler, SampleRow
+from cluster.engine.speculative import DraftProposer, NgramProposer, build_proposer, lookup
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
 from decode_worker.engine import Engine
 from tests.conftest import drive
 

@@ -12,9 +12,9 @@ import pytest
 from tandem.v1 import api_pb2
 
 from cluster.config import CacheConfig, SchedulerConfig, parse_config
-from cluster.loader import load_model
-from cluster.request import SamplingParams
-from cluster.tokenizer import Tokenizer
+from cluster.engine.request import SamplingParams
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from decode_worker.engine import Engine
 from prefill_worker import service as prefill_service

@@ -60,9 +60,9 @@ def _config(args: argparse.Namespace) -> int:
 def _check_model(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from cluster.arch import ModelArch
-    from cluster.loader import weight_files
-    from cluster.tokenizer import Tokenizer
+    from cluster.model.arch import ModelArch
+    from cluster.model.loader import weight_files
+    from cluster.model.tokenizer import Tokenizer
 
     folder = Path(args.folder)
     arch = ModelArch.from_folder(folder)

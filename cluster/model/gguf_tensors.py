@@ -1,5 +1,5 @@
 """A GGUF file's tensors as Tandem weights: dequantised under their Hugging Face names, or with
-Q4_0/Q4_1 blocks kept as `cluster.quant.Int4Linear` weights (group size 32).
+Q4_0/Q4_1 blocks kept as `cluster.model.quant.Int4Linear` weights (group size 32).
 
 llama.cpp's converter reorders the rows of Llama's `q_proj` and `k_proj` within each head (its
 RoPE rotates interleaved pairs, Hugging Face's rotates halves); `unpermute` puts them back. Rows
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from cluster.arch import ModelArch, ModelFormatError
-from cluster.loader import weight_table
-from cluster.model import CausalLM
+from cluster.model.arch import ModelArch, ModelFormatError
+from cluster.model.causal_lm import CausalLM
+from cluster.model.loader import weight_table
 
 # Hugging Face name inside `model.layers.{i}.` -> GGUF name inside `blk.{i}.`
 _LAYER_NAMES = {

@@ -17,7 +17,7 @@ on the header, `write` per chunk, `commit` at the end, `fail` when the stream br
 method that raises has already failed the transfer and freed every block it reserved.
 
 Transports: `local` (this module: same process, tensors handed over in memory), `grpc`
-(`cluster.kv_grpc`) and `collective` (`cluster.kv_collective`).
+(`cluster.kv.grpc_transport`) and `collective` (`cluster.kv.collective`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Protocol
 
 import grpc
 
-from cluster.kv_wire import KVChunk, KVCommit, KVHeader, Message, TransferError
+from cluster.kv.wire import KVChunk, KVCommit, KVHeader, Message, TransferError
 
 
 class TransferState(enum.Enum):

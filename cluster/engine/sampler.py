@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.request import SamplingParams
+from cluster.engine.request import SamplingParams
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment

@@ -2,7 +2,7 @@
 `generation_config.json`.
 
 llama.cpp names its keys `<architecture>.<key>` (`llama.block_count`, `llama.rope.freq_base`);
-`hf_config` maps them to the keys `cluster.arch.ModelArch.from_hf_config` reads, and refuses,
+`hf_config` maps them to the keys `cluster.model.arch.ModelArch.from_hf_config` reads, and refuses,
 by name, an architecture or a setting that Tandem's model does not implement.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.arch import ModelFormatError
+from cluster.model.arch import ModelFormatError
 
 # GGUF `general.architecture` -> Hugging Face architecture. llama.cpp writes Llama 2/3, SmolLM and
 # Mistral 7B as "llama".

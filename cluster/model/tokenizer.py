@@ -20,8 +20,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from cluster.arch import ModelFormatError
-from cluster.gguf import model_folder
+from cluster.model.arch import ModelFormatError
+from cluster.model.gguf import model_folder
 
 
 class ChatTemplateError(ValueError):

@@ -6,7 +6,7 @@ Lifecycle of a cluster (`start(config)` -> `RayCluster`):
                 default), in the `tandem` namespace
     registry    one actor, `controller`, holding the worker registry the router reads
     pools       one `PoolActor` per pool (`pool-prefill`, `pool-decode`) running that pool's
-                `cluster.pool_controller.PoolController`: it starts the pool's workers, then every
+                `cluster.pools.controller.PoolController`: it starts the pool's workers, then every
                 `autoscaling.interval_s` reads their load, decides, starts or drains workers
     workers     one `WorkerActor` each, named `prefill-0`, `decode-1`, ..., asking for its pool's
                 shape (CPUs, GPUs, an optional custom resource naming its node group) and placed
@@ -39,7 +39,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster import tls
 from cluster.auth import api_keys
 from cluster.config import ClusterConfig, dump_config
-from cluster.pool_controller import PoolController
+from cluster.pools.controller import PoolController
 
 NAMESPACE = "tandem"
 CONTROLLER = "controller"
@@ -118,7 +118,7 @@ class WorkerActor:
 
 
 class _RayWorkers:
-    """`cluster.pool_controller.WorkerOps` over Ray actors."""
+    """`cluster.pools.controller.WorkerOps` over Ray actors."""
 
     def __init__(self, role: str, config: ClusterConfig, namespace: str, host: str) -> None:
         self.role, self.config, self.namespace, self.host = role, config, namespace, host

@@ -60,7 +60,7 @@ class ModelArch:
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelArch:
         """From `folder`'s config.json; a `.gguf` file is read through its imported folder."""
-        from cluster.gguf import model_folder  # it imports this module
+        from cluster.model.gguf import model_folder  # it imports this module
 
         path = model_folder(folder) / "config.json"
         try:

@@ -1,4 +1,4 @@
-"""CPU kernels torch lacks, built from `cluster/csrc/` on first use.
+"""CPU kernels torch lacks, built from `cluster/model/csrc/` on first use.
 
 - `skinny_linear` multiplies a few rows (up to `SKINNY_MAX_ROWS`) by a weight matrix, streaming
   each weight row once for all of them: decode's products, which torch's GEMM kernels run at a

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 import torch._inductor.config as inductor_config
 
-from cluster.attention import KVCache, SeqChunk, build_attention_metadata
-from cluster.model import CausalLM
+from cluster.model.attention import KVCache, SeqChunk, build_attention_metadata
+from cluster.model.causal_lm import CausalLM
 
 
 class CompiledDecode:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from tandem.v1 import kv_transfer_pb2 as pb
 
-from cluster.kv_wire import DTYPES, KVChunk, KVHeader, TransferError
+from cluster.kv.wire import DTYPES, KVChunk, KVHeader, TransferError
 
 
 class _Group:

@@ -11,20 +11,20 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cluster import cpu_kernels
-from cluster.attention import (
+from cluster.config import CacheConfig
+from cluster.engine.block_manager import kv_block_bytes, num_blocks_for_budget
+from cluster.engine.compiled import CompiledDecode
+from cluster.engine.request import StepPlan
+from cluster.engine.sampler import Sampler, SampleResult, SampleRow
+from cluster.model import cpu_kernels
+from cluster.model.attention import (
     SeqChunk,
     allocate_kv_cache,
     as_decode_rows,
     build_attention_metadata,
     kv_row_bytes,
 )
-from cluster.block_manager import kv_block_bytes, num_blocks_for_budget
-from cluster.compiled import CompiledDecode
-from cluster.config import CacheConfig
-from cluster.model import CausalLM
-from cluster.request import StepPlan
-from cluster.sampler import Sampler, SampleResult, SampleRow
+from cluster.model.causal_lm import CausalLM
 
 
 class ModelRunner:

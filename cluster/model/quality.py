@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cluster.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
-from cluster.model import CausalLM
-from cluster.tokenizer import Tokenizer
+from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+from cluster.model.causal_lm import CausalLM
+from cluster.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

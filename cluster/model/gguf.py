@@ -4,7 +4,7 @@
 `tokenizer_config.json` (special tokens, chat template) and `model.safetensors`: by default the
 tensors dequantised under their Hugging Face names (F16/BF16 kept as they are, everything else in
 float32), or, with `keep_quantized`, Q4_0/Q4_1 blocks kept as Tandem's int4 weights in the folder
-form `cluster.loader.save_quantized` writes. The pieces live in `gguf_meta` (config),
+form `cluster.model.loader.save_quantized` writes. The pieces live in `gguf_meta` (config),
 `gguf_tokenizer` and `gguf_tensors`.
 
 `model_folder(path)` is what every entry point that takes a model folder calls: a folder comes
@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.arch import ModelArch, ModelFormatError
+from cluster.model.arch import ModelArch, ModelFormatError
 
 DEFAULT_CACHE_DIR = Path("~/.cache/tandem/gguf")
 # Part of each cache folder's name: raise it when the import writes something different.
@@ -60,10 +60,10 @@ def import_gguf(
     fp16 scales exactly; such a folder loads in that dtype only."""
     from safetensors.torch import save_file
 
-    from cluster.gguf_meta import generation_config, hf_config, open_gguf, read_metadata, tensor_shapes
-    from cluster.gguf_tensors import float_state, int4_state
-    from cluster.gguf_tokenizer import build_tokenizer
-    from cluster.loader import DTYPES, QUANT_KEY, SINGLE_FILE
+    from cluster.model.gguf_meta import generation_config, hf_config, open_gguf, read_metadata, tensor_shapes
+    from cluster.model.gguf_tensors import float_state, int4_state
+    from cluster.model.gguf_tokenizer import build_tokenizer
+    from cluster.model.loader import DTYPES, QUANT_KEY, SINGLE_FILE
 
     start = time.perf_counter()
     path, out = Path(path), Path(out)

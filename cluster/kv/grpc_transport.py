@@ -22,9 +22,9 @@ from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 from cluster import tls
 from cluster.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, message_options, start_server
-from cluster.kv_collective import CollectiveGroups
-from cluster.kv_transport import KVReceiver, SendStream
-from cluster.kv_wire import (
+from cluster.kv.collective import CollectiveGroups
+from cluster.kv.transport import KVReceiver, SendStream
+from cluster.kv.wire import (
     KVChunk,
     KVHeader,
     Message,
@@ -212,7 +212,7 @@ class _GrpcStream(SendStream):
 
 class CollectiveSender(GrpcSender):
     """The `collective` transport's sending end: the `Push` stream carries control, a
-    torch.distributed group with the decode worker (`cluster.kv_collective`) carries the tensors."""
+    torch.distributed group with the decode worker (`cluster.kv.collective`) carries the tensors."""
 
     def __init__(
         self,

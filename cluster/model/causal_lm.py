@@ -2,10 +2,10 @@
 
 RMSNorm, rotary embeddings (with Llama-3 scaling), grouped-query attention and a SwiGLU MLP.
 The q/k/v and gate/up projections are fused into one matrix each (fewer, larger products per
-step); `cluster.loader` maps Hugging Face's separate tensors into them.
+step); `cluster.model.loader` maps Hugging Face's separate tensors into them.
 
 Inputs are explicit: a flat batch of token ids with their positions, the KV cache, and the
-attention metadata built once per pass (`cluster.attention`). Nothing here knows about the
+attention metadata built once per pass (`cluster.model.attention`). Nothing here knows about the
 device, the scheduler or quantisation.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster import cpu_kernels
-from cluster.arch import ModelArch, RopeConfig
-from cluster.attention import AttentionMetadata, KVCache, paged_attention
+from cluster.model import cpu_kernels
+from cluster.model.arch import ModelArch, RopeConfig
+from cluster.model.attention import AttentionMetadata, KVCache, paged_attention
 
 # Compiled CPU products with at most this many rows are written as reductions where the CPU
 # kernels are missing (see `Linear`).
@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder stack plus the LM head. Parameter names follow `cluster.loader`'s table."""
+    """The decoder stack plus the LM head. Parameter names follow `cluster.model.loader`'s table."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -1,10 +1,10 @@
 """A pool's controller: reconciles the pool toward the autoscaler's target. No Ray here: the worker
-operations come in as `WorkerOps` (Ray actors in `cluster.ray_cluster`, a fake in tests).
+operations come in as `WorkerOps` (Ray actors in `cluster.pools.ray_cluster`, a fake in tests).
 
 Each `tick(now)`:
 
     read      every serving worker's load (and the router's recent TTFT / TPOT)
-    decide    `cluster.autoscaling.decide` -> the target and its reason (logged and counted)
+    decide    `cluster.pools.autoscaling.decide` -> the target and its reason (logged and counted)
     grow      start workers named `<role>-<n>` until the serving count reaches the target
     shrink    drain the surplus, the least loaded first: the worker reports itself draining, so the
               router sends it nothing new; it finishes its running sequences and outstanding KV
@@ -23,8 +23,8 @@ from typing import Protocol
 
 from tandem.v1 import worker_pb2
 
-from cluster.autoscaling import Decision, PolicyState, Signals, decide
 from cluster.config import PoolConfig, SLOConfig
+from cluster.pools.autoscaling import Decision, PolicyState, Signals, decide
 
 log = logging.getLogger("tandem.autoscaler")
 

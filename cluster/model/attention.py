@@ -8,7 +8,7 @@ the block manager and the wire).
 
 Each layer writes its new keys and values into their slots, then, per attention group (decode rows
 apart from prompt chunks), attends. On CPU, decode rows go through `tandem_cpu::decode_attention`
-(`cluster/cpu_kernels.py`), which reads each cached row in place through the block table, and
+(`cluster/model/cpu_kernels.py`), which reads each cached row in place through the block table, and
 prompt chunks through `tandem_cpu::prefill_attention`, which runs each sequence at its own length.
 Elsewhere (another device, no kernels, training) the group gathers each sequence's blocks and runs
 one `scaled_dot_product_attention` over the padded `[S, heads, max_new, max_ctx]` problem: with
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster import cpu_kernels
+from cluster.model import cpu_kernels
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) [blocks, block_size, kv_heads, head_dim]
 

@@ -18,9 +18,9 @@ Two proposers:
 - `DraftProposer`: a small model with the target's vocabulary, run in the same process over its
   own paged KV cache. Each request keeps its draft KV between steps; what the target rejected is
   recomputed on the next call. Given batch buckets, its passes after a request's first (one or
-  two tokens per request) run through compiled graphs (`cluster.compiled`). A seeded request's
+  two tokens per request) run through compiled graphs (`cluster.engine.compiled`). A seeded request's
   draft token at output index i is drawn with the noise the target samples index i with
-  (`cluster.sampler`), so the two agree as often as a shared draw lets them, and what it drafts
+  (`cluster.engine.sampler`), so the two agree as often as a shared draw lets them, and what it drafts
   never changes the request's tokens.
 """
 
@@ -33,14 +33,14 @@ from typing import Protocol
 
 import torch
 
-from cluster.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
-from cluster.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
-from cluster.compiled import CompiledDecode
 from cluster.config import SpeculativeConfig
-from cluster.loader import load_model
-from cluster.model import CausalLM
-from cluster.request import Request
-from cluster.sampler import Draft, Sampler, SampleRow
+from cluster.engine.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
+from cluster.engine.compiled import CompiledDecode
+from cluster.engine.request import Request
+from cluster.engine.sampler import Draft, Sampler, SampleRow
+from cluster.model.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
+from cluster.model.causal_lm import CausalLM
+from cluster.model.loader import load_model
 
 # The sampling row of a request at a given history (drafted tokens appended to its output).
 RowsFor = Callable[[Request, Sequence[int]], SampleRow]

@@ -1,10 +1,10 @@
 """Strict weight loading from a Hugging Face model folder.
 
-One table maps each Hugging Face tensor name to a parameter of `cluster.model.CausalLM` and, for
+One table maps each Hugging Face tensor name to a parameter of `cluster.model.causal_lm.CausalLM` and, for
 fused projections, the row slice it fills. Loading raises, naming the tensor, on anything missing,
 extra, mis-shaped or of a non-float type: a silent partial load is the worst bug a server can have.
 Both a single `model.safetensors` and shards listed by `model.safetensors.index.json` are read;
-`load_model` also takes a `.gguf` file, imported once into a cache folder (`cluster.gguf`).
+`load_model` also takes a `.gguf` file, imported once into a cache folder (`cluster.model.gguf`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from cluster.arch import ModelArch, ModelFormatError
-from cluster.gguf import model_folder
-from cluster.model import CausalLM, rope_inv_freq
-from cluster.quant import quantize, quantized_skeleton
+from cluster.model.arch import ModelArch, ModelFormatError
+from cluster.model.causal_lm import CausalLM, rope_inv_freq
+from cluster.model.gguf import model_folder
+from cluster.model.quant import quantize, quantized_skeleton
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -139,9 +139,9 @@ def load_model(
     quantize_lm_head: bool = True,
 ) -> CausalLM:
     """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`; with
-    `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.quant`). A folder written
+    `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.model.quant`). A folder written
     by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's).
-    A `.gguf` file loads through its imported folder (`cluster.gguf.model_folder`)."""
+    A `.gguf` file loads through its imported folder (`cluster.model.gguf.model_folder`)."""
     folder = model_folder(folder)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")

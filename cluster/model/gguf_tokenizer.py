@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from cluster.arch import ModelFormatError
+from cluster.model.arch import ModelFormatError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types; 1 is a normal token
 
