@@ -23,6 +23,22 @@ BLOCK = 8
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")
 
 
+@pytest.fixture(autouse=True)
+def kernels_in_use(monkeypatch):
+    """The model routes through the kernels here whatever the CPU (without AVX-512 it uses torch's
+    faster kernels), so their plain-loop paths are checked on such CPUs too."""
+    monkeypatch.setitem(cpu_kernels._state, "avx512", True)
+
+
+def test_the_model_uses_the_kernels_only_on_avx512_cpus(monkeypatch):
+    monkeypatch.setitem(cpu_kernels._state, "avx512", False)
+    assert cpu_kernels.available() and not cpu_kernels.used()
+    monkeypatch.setitem(cpu_kernels._state, "avx512", True)
+    assert cpu_kernels.used()
+    monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+    assert not cpu_kernels.used(), "never when they are not built"
+
+
 def _case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
     """A paged cache with scattered blocks and three decode rows of different lengths, their new
     keys and values already written."""

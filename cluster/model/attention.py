@@ -232,7 +232,7 @@ def _attend(
     window: int | None,
     training: bool,
 ) -> torch.Tensor:
-    if not training and q.device.type == "cpu" and cpu_kernels.available():
+    if not training and q.device.type == "cpu" and cpu_kernels.used():
         if g.max_new == 1:
             return torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
         return torch.ops.tandem_cpu.prefill_attention(

@@ -33,8 +33,8 @@ class Linear(nn.Linear):
     Decode multiplies one row per sequence (or per verified draft token) by every weight matrix, so
     a step is bound by reading the weights, and torch's GEMM kernels read them at a fraction of the
     bandwidth. Up to `cpu_kernels.SKINNY_ROWS[dtype]` rows go through `tandem_cpu::skinny_linear`,
-    eager and compiled, which reads each weight row once for all of them. Where that kernel cannot be
-    built, compiled products with one or two rows are written as `(x * W).sum(-1)`, which inductor
+    eager and compiled, which reads each weight row once for all of them (on CPUs with AVX-512:
+    `cpu_kernels.used()`). Elsewhere compiled products with one or two rows are written as `(x * W).sum(-1)`, which inductor
     turns into one loop over the weight rows.
     """
 
@@ -42,7 +42,7 @@ class Linear(nn.Linear):
         rows = x.shape[0] if x.dim() == 2 else 0
         on_cpu = rows > 0 and self.weight.device.type == "cpu" and x.dtype == self.weight.dtype
         few = on_cpu and not x.requires_grad and rows <= cpu_kernels.SKINNY_ROWS.get(x.dtype, 0)
-        if few and cpu_kernels.available():
+        if few and cpu_kernels.used():
             y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
             return y if self.bias is None else y + self.bias
         if not on_cpu or rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():

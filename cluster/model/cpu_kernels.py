@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "skinny_linear.cpp"]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried
+_state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "avx512": the CPU has AVX-512F
 
 
 @torch.compiler.assume_constant_result  # compiled graphs take the answer as given at trace time
@@ -42,6 +42,16 @@ def available() -> bool:
         if "loaded" not in _state:
             _state["loaded"] = _load()
     return _state["loaded"]
+
+
+@torch.compiler.assume_constant_result
+def used() -> bool:
+    """Whether the model routes through the kernels: built, on a CPU with AVX-512. Elsewhere their
+    plain loops (kept so they build and agree everywhere) are several times slower than torch's
+    kernels, so the model uses torch's."""
+    if "avx512" not in _state:
+        _state["avx512"] = "AVX512" in torch.backends.cpu.get_cpu_capability()
+    return _state["avx512"] and available()
 
 
 def _load() -> bool:

@@ -10,7 +10,7 @@
 // parts of a sequence are merged afterwards (split-context decoding). An int8 cache row holds
 // head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
 //
-// The CPU implementation of `tandem_cpu::decode_attention`, which `cluster/cpu_kernels.py` defines,
+// The CPU implementation of `tandem_cpu::decode_attention`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
 
 #include <ATen/ATen.h>

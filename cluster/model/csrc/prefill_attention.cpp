@@ -9,7 +9,7 @@
 // starts at position 0, else with an explicit mask (query i, at position num_cached + i, sees the
 // keys at or before it, and within the window).
 //
-// The CPU implementation of `tandem_cpu::prefill_attention`, which `cluster/cpu_kernels.py` defines,
+// The CPU implementation of `tandem_cpu::prefill_attention`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
 
 #include <ATen/ATen.h>

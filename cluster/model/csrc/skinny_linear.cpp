@@ -7,7 +7,7 @@
 // eight, or one sequence verifying seven draft tokens) reads the weights as often as a step with one.
 // Several weight rows are in flight at a time to keep independent accumulator chains busy.
 //
-// The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/cpu_kernels.py` defines,
+// The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
 
 #include <ATen/ATen.h>
