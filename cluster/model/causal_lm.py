@@ -34,8 +34,8 @@ class Linear(nn.Linear):
     a step is bound by reading the weights, and torch's GEMM kernels read them at a fraction of the
     bandwidth. Up to `cpu_kernels.SKINNY_ROWS[dtype]` rows go through `tandem_cpu::skinny_linear`,
     eager and compiled, which reads each weight row once for all of them (on CPUs with AVX-512:
-    `cpu_kernels.used()`). Elsewhere compiled products with one or two rows are written as `(x * W).sum(-1)`, which inductor
-    turns into one loop over the weight rows.
+    `cpu_kernels.used()`). Elsewhere compiled products with one or two rows are written as
+    `(x * W).sum(-1)`, which inductor turns into one loop over the weight rows.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
