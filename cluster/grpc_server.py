@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tandem.v1 import api_pb2
+from tandem.v1 import api_pb2, worker_pb2
 
 from cluster.engine.request import SamplingParams, params_from_proto
 
@@ -92,3 +94,28 @@ def admit_submit(
     if waiting >= limit:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{worker} has {waiting} requests waiting")
     return params
+
+
+def watch_loads(
+    load: Callable[[], worker_pb2.WorkerLoad],
+    request: worker_pb2.WatchRequest,
+    context: grpc.ServicerContext,
+    stopped: threading.Event,
+) -> Iterator[worker_pb2.WorkerUpdate]:
+    """A worker's `Worker.Watch`: the load at once, again whenever it changes (sampled every
+    `min_interval_seconds`, so at most one snapshot per interval), and a heartbeat after
+    `heartbeat_seconds` without a message. It ends with the call or when the worker stops."""
+    interval = max(request.min_interval_seconds or 0.01, 0.001)
+    heartbeat = max(request.heartbeat_seconds or 0.5, interval)
+    last, sent_at, sequence = None, 0.0, 0
+    while context.is_active() and not stopped.is_set():
+        current, now = load(), time.monotonic()
+        if current != last:
+            sequence += 1
+            yield worker_pb2.WorkerUpdate(load=current, sequence=sequence)
+            last, sent_at = current, now
+        elif now - sent_at >= heartbeat:
+            sequence += 1
+            yield worker_pb2.WorkerUpdate(sequence=sequence)
+            sent_at = now
+        stopped.wait(interval)

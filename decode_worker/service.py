@@ -9,6 +9,8 @@ Lifecycle of a request here:
                                    request's stream (or waits for a Submit that has not arrived yet)
     the stream ends                on finish; a cancelled or expired call aborts the request and
                                    frees its blocks at once
+    Watch                          each router's stream of this worker's load (`watch_loads`), on a
+                                   thread of its own for the call's life
 
 The engine is stepped by one thread; Submit, Abort and the transfer intake reach it through its lock.
 """
@@ -26,7 +28,7 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from cluster.auth import cluster_secret
 from cluster.config import ClusterConfig, TelemetryConfig
 from cluster.engine.speculative import build_proposer
-from cluster.grpc_server import Server, admit_submit, start_server
+from cluster.grpc_server import Server, admit_submit, start_server, watch_loads
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv.wire import model_fingerprint
@@ -201,6 +203,11 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
 
     def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
         return self.load()
+
+    def Watch(
+        self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.WorkerUpdate]:
+        yield from watch_loads(self.load, request, context, self._stop)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True

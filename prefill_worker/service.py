@@ -7,6 +7,7 @@ Lifecycle of a request here:
     engine loop thread      steps the engine while it has work and releases expired leases
     the call answers        with the first token once the decode worker has admitted the sequence,
                             or fails with the transfer's status code; a cancelled call aborts it
+    Watch                   each router's stream of this worker's load (`watch_loads`)
 
 The engine is stepped by one thread; Submit and Abort reach it through the worker's lock.
 """
@@ -24,7 +25,7 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from cluster.auth import cluster_secret, secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, TelemetryConfig, TransferConfig
 from cluster.engine.model_runner import num_kv_blocks
-from cluster.grpc_server import Server, admit_submit, start_server
+from cluster.grpc_server import Server, admit_submit, start_server, watch_loads
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import CollectiveSender, GrpcSender
 from cluster.kv.transport import KVSender, TransferState
@@ -147,6 +148,11 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
 
     def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
         return self.load()
+
+    def Watch(
+        self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.WorkerUpdate]:
+        yield from watch_loads(self.load, request, context, self._stop)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True

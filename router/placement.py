@@ -1,4 +1,6 @@
-"""Which workers serve a request: pure functions of the prompt and the workers' reported loads.
+"""Which workers serve a request: pure functions of the prompt and the workers' reported loads
+(`choose`), and the same choices from an index that the workers' pushed loads keep up to date
+(`router.index.LoadIndex`).
 
 - Prefill locally (on the decode worker) when the prompt is at most `local_prefill_max_tokens`:
   no transfer is cheaper than any transfer.
@@ -72,12 +74,23 @@ def choose_decode(num_tokens: int, loads: dict[str, worker_pb2.WorkerLoad], bloc
     return min(fits, key=preference)
 
 
+class Ring:
+    """A consistent-hash ring over `workers` (adding a worker moves ~1/n of the keys). Building it
+    sorts `points_per_worker` points a worker; a lookup is one hash and one bisection."""
+
+    def __init__(self, workers: Sequence[str], points_per_worker: int = 64) -> None:
+        ring = sorted((_hash(f"{w}#{i}".encode()), w) for w in workers for i in range(points_per_worker))
+        self._hashes = [h for h, _ in ring]
+        self._owners = [w for _, w in ring]
+
+    def owner(self, key: Sequence[int]) -> str:
+        i = bisect.bisect_left(self._hashes, _hash(",".join(map(str, key)).encode()))
+        return self._owners[i % len(self._owners)]
+
+
 def ring_owner(key: Sequence[int], workers: Sequence[str], points_per_worker: int = 64) -> str:
-    """The worker owning `key` on a consistent-hash ring (adding a worker moves ~1/n of the keys)."""
-    ring = sorted((_hash(f"{w}#{i}".encode()), w) for w in workers for i in range(points_per_worker))
-    h = _hash(",".join(map(str, key)).encode())
-    i = bisect.bisect(ring, (h, ""))
-    return ring[i % len(ring)][1]
+    """The worker owning `key` on a consistent-hash ring over `workers`."""
+    return Ring(workers, points_per_worker).owner(key)
 
 
 def _hash(data: bytes) -> int:

@@ -4,9 +4,10 @@ Lifecycle of a request:
 
     Generate      validate and tokenise (INVALID_ARGUMENT naming the field); take an admission
                   slot (RESOURCE_EXHAUSTED when `max_queued_requests` are in flight)
-    place         read the workers' loads, choose a decode worker and a prefill worker or local
-                  prefill (`router.placement`); the choice goes out as response metadata
-                  (`tandem-prefill`, `tandem-decode`) and is counted in `Admin.GetStatus`
+    place         from the loads the workers push (`router.view`; no RPC per request), choose a
+                  decode worker and a prefill worker or local prefill (`router.index`); the
+                  choice goes out as response metadata (`tandem-prefill`, `tandem-decode`) and
+                  is counted in `Admin.GetStatus`
     relay         the decode worker's stream (tokens, text, finish) is the response stream; the
                   prefill call runs beside it and its failure fails the request with its code
     end           client cancellation or deadline cancels both worker calls, which abort the
@@ -35,7 +36,7 @@ from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
-from router.placement import Choice, NoCapacity, choose
+from router.placement import Choice, NoCapacity
 from router.pool import WorkerPool
 from router.relay import (
     Broken,
@@ -50,6 +51,7 @@ from router.relay import (
 )
 from router.settings import PoolAdmin, RouterSettings, settings_from_config
 from router.validate import InvalidRequest, PromptTokenizer, validate
+from router.view import WorkerView
 
 
 class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
@@ -71,6 +73,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         self.slo = SLOWindow(settings.slo.window_s)
         self.tokenizer = tokenizer
         self.pool = pool
+        self.view = WorkerView(pool, settings.watch_heartbeat_s, settings.watch_stale_after_s)
         self.decisions: collections.Counter[str] = collections.Counter()
         self._slots = threading.BoundedSemaphore(settings.max_queued_requests)
         self._in_flight = 0
@@ -79,6 +82,8 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         self.server: Server | None = None
 
     def start(self, address: str = "127.0.0.1:0") -> str:
+        self.view.start()
+
         def add(server: grpc.Server) -> list[str]:
             server.add_generic_rpc_handlers((self._public_handlers(),))
             worker_pb2_grpc.add_AdminServicer_to_server(self, server)
@@ -110,6 +115,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop(None)
+        self.view.stop()
         self.pool.close()
         self.telemetry.shutdown()
 
@@ -282,8 +288,9 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
                 root.add_event("migration", {**event, "tandem.error": broken.details})
 
     def _place(self, prompt: list[int], params: SamplingParams, wait_s: float) -> Choice:
-        """Chooses workers, waiting up to `wait_s` for one to come back (a restarting worker).
-        Beam search needs the prompt's logits on the decode worker, so it is prefilled there."""
+        """Chooses workers from the view the workers push (no RPC here), waiting up to `wait_s` for
+        one to come back (a restarting worker). Beam search needs the prompt's logits on the
+        decode worker, so it is prefilled there."""
         s = self.settings
         deadline = time.monotonic() + wait_s
         local = s.local_prefill_max_tokens if params.num_beams == 1 else len(prompt)
@@ -291,10 +298,10 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         rediscovered = False
         while True:
             try:
-                return choose(prompt, max_tokens, self.pool.loads(), s.block_size, local)
+                return self.view.index.choose(prompt, max_tokens, s.block_size, local)
             except NoCapacity:
                 if not rediscovered:  # a worker added since the last discovery may fit
-                    self.pool.rediscover()
+                    self.view.refresh()
                     rediscovered = True
                     continue
                 if time.monotonic() >= deadline or not wait_s:

@@ -30,6 +30,8 @@ class RouterSettings:
     max_queued_requests: int = 256
     local_prefill_max_tokens: int = 64
     metrics_port: int = 0
+    watch_heartbeat_s: float = 0.5  # a worker's Watch stream sends at least this often
+    watch_stale_after_s: float = 2.0  # a worker silent this long takes no new request
 
 
 class PoolAdmin(Protocol):

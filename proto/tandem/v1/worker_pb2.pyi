@@ -87,6 +87,22 @@ class WorkerLoad(_message.Message):
     wedged: bool
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ...) -> None: ...
 
+class WatchRequest(_message.Message):
+    __slots__ = ("min_interval_seconds", "heartbeat_seconds")
+    MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    min_interval_seconds: float
+    heartbeat_seconds: float
+    def __init__(self, min_interval_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
+
+class WorkerUpdate(_message.Message):
+    __slots__ = ("load", "sequence")
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    load: WorkerLoad
+    sequence: int
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/tandem.v1.Worker/Watch',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.WatchRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.WorkerUpdate.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/tandem.v1.Worker/Drain',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
@@ -80,6 +85,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Pushes the load to a router for as long as the call lasts: a snapshot at once, another
+        whenever the load changes (at most one per min_interval_seconds), and a heartbeat (no load)
+        after heartbeat_seconds without a message. Routers place requests from these streams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Stops taking new work; running requests finish.
         """
@@ -104,6 +118,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.WatchRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.WorkerUpdate.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -192,6 +211,33 @@ class Worker:
             '/tandem.v1.Worker/GetLoad',
             tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Worker/Watch',
+            tandem_dot_v1_dot_worker__pb2.WatchRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.WorkerUpdate.FromString,
             options,
             channel_credentials,
             insecure,

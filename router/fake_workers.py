@@ -1,0 +1,220 @@
+"""Emulated workers for measuring the router alone: no model, real gRPC. One event loop hosts many
+workers, each a `tandem.v1.Worker` server on its own port with its own name, load, `Watch` stream
+and step time, so a thousand of them cost one process and a few threads.
+
+A fake decode worker streams `max_tokens` tokens, one per `step_s` (the first after one step);
+token `i` of a request is a pure function of its prompt and `i`, so a migrated or resumed request
+continues exactly as it would have. Its load is its running streams; `Watch` pushes a snapshot on
+each change (at most one per `min_interval_seconds`) and a heartbeat otherwise. A fake prefill
+worker answers `Submit` with the first token after one step.
+
+    python -m router.fake_workers --workers 256 --step-s 0.001     # prints {"name": "host:port"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+from cluster.grpc_server import message_options
+
+VOCAB = 1000
+
+
+def fake_token(prompt: Sequence[int], index: int) -> int:
+    """Token `index` of the output for `prompt`: the same wherever and whenever it is computed."""
+    return (sum(prompt) * 31 + len(prompt) * 7 + index * 13) % (VOCAB - 10) + 10
+
+
+class FakeTokenizer:
+    """Words to ids and back: token `t` is the word `t<t>`."""
+
+    vocab_size = VOCAB
+
+    def encode(self, text: str) -> list[int]:
+        return [sum(map(ord, w)) % (VOCAB - 10) + 10 for w in text.split()]
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.encode(" ".join(m["content"] for m in messages))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f"t{i} " for i in ids)
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, name: str, role: str = "decode", step_s: float = 0.001, total_kv_blocks: int = 4096) -> None:
+        self.name, self.role, self.step_s = name, role, step_s
+        self.total_kv_blocks = total_kv_blocks
+        self.running = 0
+        self.draining = False
+        self.refuse_watch = False  # a worker that cannot be watched: every Watch call fails at once
+        self.submitted = 0  # Submit calls taken
+        self.address = ""
+        self.server: grpc.aio.Server | None = None
+        self._listeners: set[asyncio.Event] = set()  # one per open Watch call
+        self._epoch = 0  # bumped to break every open Watch call
+
+    async def start(self, host: str = "127.0.0.1") -> str:
+        self.server = grpc.aio.server(options=message_options())
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port(f"{host}:0")
+        await self.server.start()
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(None)
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        return worker_pb2.WorkerLoad(
+            worker_id=self.name, role=self.role, running_seqs=self.running, free_kv_blocks=self.total_kv_blocks,
+            total_kv_blocks=self.total_kv_blocks, draining=self.draining,
+        )  # fmt: skip
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        self._notify()
+
+    def set_running(self, running: int) -> None:
+        """Pretends to run `running` sequences (on the loop)."""
+        self.running = running
+        self._notify()
+
+    def break_watches(self) -> None:
+        """Ends every open `Watch` call with UNAVAILABLE, as a dying worker's would (on the loop)."""
+        self._epoch += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        for changed in self._listeners:
+            changed.set()
+
+    # -- tandem.v1.Worker --------------------------------------------------------------------------
+
+    async def Submit(self, request: worker_pb2.WorkerRequest, context) -> AsyncIterator[worker_pb2.WorkerTokens]:  # type: ignore[no-untyped-def,override]
+        self.submitted += 1
+        self.running += 1
+        self._notify()
+        try:
+            prompt, done = list(request.prompt_token_ids), len(request.output_token_ids)
+            if self.role == "prefill":
+                await asyncio.sleep(self.step_s)
+                yield worker_pb2.WorkerTokens(request_id=request.request_id, token_ids=[fake_token(prompt, done)])
+                return
+            max_tokens = request.sampling.max_tokens or 16
+            for index in range(done, max_tokens):
+                await asyncio.sleep(self.step_s)
+                token = fake_token(prompt, index)
+                last = index == max_tokens - 1
+                yield worker_pb2.WorkerTokens(
+                    request_id=request.request_id, token_ids=[token], text=f"t{token} ",
+                    num_prompt_tokens=len(prompt),
+                    finish_reason=api_pb2.FINISH_REASON_LENGTH if last else api_pb2.FINISH_REASON_UNSPECIFIED,
+                )  # fmt: skip
+        finally:
+            self.running -= 1
+            self._notify()
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResult:  # type: ignore[no-untyped-def,override]
+        return worker_pb2.AbortResult(found=False)
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.WorkerLoad:  # type: ignore[no-untyped-def,override]
+        return self.load()
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context) -> worker_pb2.DrainResult:  # type: ignore[no-untyped-def,override]
+        self.set_draining(True)
+        return worker_pb2.DrainResult(remaining_seqs=self.running)
+
+    async def Watch(self, request: worker_pb2.WatchRequest, context) -> AsyncIterator[worker_pb2.WorkerUpdate]:  # type: ignore[no-untyped-def,override]
+        if self.refuse_watch:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} takes no watchers")
+        interval = max(request.min_interval_seconds or 0.01, 0.001)
+        heartbeat = max(request.heartbeat_seconds or 0.5, interval)
+        changed, epoch = asyncio.Event(), self._epoch
+        self._listeners.add(changed)
+        last, sequence = None, 0
+        try:
+            while self._epoch == epoch:
+                current = self.load()
+                sequence += 1
+                yield worker_pb2.WorkerUpdate(load=current if current != last else None, sequence=sequence)
+                last = current
+                await asyncio.sleep(interval)  # the rate limit
+                if self.load() == last and self._epoch == epoch:
+                    changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), heartbeat - interval)
+        finally:
+            self._listeners.discard(changed)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}'s watch stream broke")
+
+
+class FakeFleet:
+    """Many fake workers on one event loop in a thread of their own (for tests in one process)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, FakeWorker] = {}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="fake-workers")
+        self._thread.start()
+
+    def add(self, name: str, role: str = "decode", step_s: float = 0.001, **kwargs) -> FakeWorker:  # type: ignore[no-untyped-def]
+        worker = self.call(_make(name, role, step_s, kwargs))
+        self.workers[name] = worker
+        return worker
+
+    def remove(self, name: str) -> None:
+        self.call(self.workers.pop(name).stop())
+
+    def call(self, coroutine):  # type: ignore[no-untyped-def]
+        """Runs `coroutine` on the fleet's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
+
+    def on_loop(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def addresses(self) -> dict[str, str]:
+        return {name: w.address for name, w in self.workers.items()}
+
+    def close(self) -> None:
+        for name in list(self.workers):
+            self.remove(name)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+async def _make(name: str, role: str, step_s: float, kwargs: dict) -> FakeWorker:
+    worker = FakeWorker(name, role, step_s, **kwargs)
+    await worker.start()
+    return worker
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    workers = [FakeWorker(f"decode-{i}", "decode", args.step_s) for i in range(args.workers)]
+    workers += [FakeWorker(f"prefill-{i}", "prefill", args.step_s) for i in range(args.prefill_workers)]
+    addresses = {w.name: await w.start() for w in workers}
+    print(json.dumps(addresses), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
+    for w in workers:
+        await w.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=16, help="fake decode workers")
+    parser.add_argument("--prefill-workers", type=int, default=0, help="fake prefill workers")
+    parser.add_argument("--step-s", type=float, default=0.001, help="each worker's time per token")
+    asyncio.run(_serve(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The workers' loads as their `Worker.Watch` streams push them, kept in the orders placement reads:
+choosing workers costs no RPC, and its cost barely grows with the number of workers.
+
+Lifecycle of a worker here:
+
+    update(name, load)   a snapshot: the worker is placeable (unless draining or wedged)
+    heard(name)          a heartbeat: the last snapshot still holds
+    remove(name)         its stream broke, or discovery lost it: out of placement at once
+    stale                nothing heard for `stale_after_s`: `choose` passes it over and drops it
+
+Decode workers are kept sorted by (running + waiting, -free blocks, name) and prefill workers by
+(queued prompt tokens, name), each updated by one bisection when a snapshot arrives; the prefill
+ring is rebuilt only when the set of placeable prefill workers changes. `choose` makes the same
+choices as `router.placement.choose` over the same loads (a test holds it to that).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from tandem.v1 import worker_pb2
+
+from router.placement import Choice, NoCapacity, Ring
+
+
+class LoadIndex:
+    def __init__(self, stale_after_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_after_s = stale_after_s
+        self.clock = clock
+        self.ring_builds = 0  # how often the prefill ring was built (membership changes, not requests)
+        self._loads: dict[str, worker_pb2.WorkerLoad] = {}
+        self._seen: dict[str, float] = {}  # when anything was last heard from each worker
+        self._keys: dict[str, tuple] = {}  # each placeable worker's key in its order
+        self._decode: list[tuple[int, int, str]] = []
+        self._prefill: list[tuple[int, str]] = []
+        self._ring: Ring | None = None
+        self._lock = threading.Lock()
+
+    def update(self, name: str, load: worker_pb2.WorkerLoad) -> None:
+        with self._lock:
+            was_prefill = len(self._keys.get(name, ())) == 2
+            self._unindex(name)
+            self._loads[name], self._seen[name] = load, self.clock()
+            key = _key(load, name)
+            if key is not None:
+                bisect.insort(self._decode if len(key) == 3 else self._prefill, key)  # type: ignore[arg-type]
+                self._keys[name] = key
+            if was_prefill != (key is not None and len(key) == 2):
+                self._ring = None  # the placeable prefill workers changed
+
+    def heard(self, name: str) -> None:
+        with self._lock:
+            if name in self._loads:
+                self._seen[name] = self.clock()
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._drop(name)
+
+    def loads(self) -> dict[str, worker_pb2.WorkerLoad]:
+        """The fresh snapshots, by worker."""
+        with self._lock:
+            now = self.clock()
+            return {n: load for n, load in self._loads.items() if now - self._seen[n] <= self.stale_after_s}
+
+    def sweep(self) -> list[str]:
+        """Drops every worker past the staleness bound; returns their names."""
+        with self._lock:
+            now = self.clock()
+            stale = [n for n, seen in self._seen.items() if now - seen > self.stale_after_s]
+            for name in stale:
+                self._drop(name)
+            return stale
+
+    def choose(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        block_size: int,
+        local_prefill_max_tokens: int,
+        queue_slack_tokens: int = 2048,
+    ) -> Choice:
+        with self._lock:
+            now = self.clock()
+            decode = self._choose_decode(-(-(len(prompt) + max_tokens) // block_size), now)
+            if len(prompt) <= local_prefill_max_tokens:
+                return Choice(decode, None, "local:short-prompt")
+            while self._prefill:
+                shortest = self._prefill[0][1]
+                if self._stale(shortest, now):
+                    self._drop(shortest)
+                    continue
+                if self._ring is None:
+                    self._ring = Ring(sorted(n for _, n in self._prefill))
+                    self.ring_builds += 1
+                owner = self._ring.owner(prompt[:block_size])
+                if self._stale(owner, now):
+                    self._drop(owner)
+                    continue
+                gap = self._loads[owner].queued_prompt_tokens - self._loads[shortest].queued_prompt_tokens
+                if gap <= queue_slack_tokens:
+                    return Choice(decode, owner, "remote:prefix-owner")
+                return Choice(decode, shortest, "remote:shortest-queue")
+            return Choice(decode, None, "local:no-prefill-worker")
+
+    # -- internals (under the lock) ----------------------------------------------------------------
+
+    def _choose_decode(self, needed: int, now: float) -> str:
+        """The lightest decode worker with `needed` blocks free, else the lightest that can hold
+        them at all: the first such in the decode order, so usually its first entry."""
+        fallback, stale = None, []
+        try:
+            for _, _, name in self._decode:
+                if self._stale(name, now):
+                    stale.append(name)
+                    continue
+                load = self._loads[name]
+                if load.free_kv_blocks >= needed and load.total_kv_blocks >= needed:
+                    return name
+                if fallback is None and load.total_kv_blocks >= needed:
+                    fallback = name
+        finally:
+            for name in stale:
+                self._drop(name)
+        if fallback is None:
+            raise NoCapacity(f"no decode worker can hold {needed} KV blocks")
+        return fallback
+
+    def _stale(self, name: str, now: float) -> bool:
+        return now - self._seen[name] > self.stale_after_s
+
+    def _unindex(self, name: str) -> None:
+        key = self._keys.pop(name, None)
+        if key is None:
+            return
+        order = self._decode if len(key) == 3 else self._prefill
+        del order[bisect.bisect_left(order, key)]
+
+    def _drop(self, name: str) -> None:
+        key = self._keys.get(name)
+        self._unindex(name)
+        self._loads.pop(name, None)
+        self._seen.pop(name, None)
+        if key is not None and len(key) == 2:
+            self._ring = None
+
+
+def _key(load: worker_pb2.WorkerLoad, name: str) -> tuple | None:
+    """A placeable worker's place in its role's order; None for one that takes nothing now."""
+    if load.draining or load.wedged:
+        return None
+    if load.role == "decode":
+        return (load.running_seqs + load.waiting_seqs, -load.free_kv_blocks, name)
+    if load.role == "prefill":
+        return (load.queued_prompt_tokens, name)
+    return None
