@@ -111,6 +111,19 @@ class Recorder:
         rec[_LAST] = now
         rec[_TOKENS] += 1
 
+    def tokens(self, rid: str, start: float, ends: Sequence[float]) -> None:
+        """Tokens from a run of steps that began at `start`, one at each step's end after it."""
+        rec = self.live[rid]
+        gaps = rec[_GAPS]
+        if gaps is not None:
+            for end in ends:
+                self.token(rid, start + end)
+            return
+        if rec[_FIRST] is None:
+            rec[_FIRST] = start + ends[0]
+        rec[_LAST] = start + ends[-1]
+        rec[_TOKENS] += len(ends)
+
     def finish(self, rid: str, now: float) -> None:
         rec = self.live.pop(rid)
         delay = self.router.per_s  # each token's relay through the router

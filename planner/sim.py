@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
@@ -50,6 +50,7 @@ class Layout:
     compiled: bool = False
     watermark: float = 0.01
     prefix_caching: bool = True
+    macro_steps: int = 16  # decode steps a worker may plan as one run when nothing changes (1: step by step)
 
     def __post_init__(self) -> None:
         if self.decode < 1 or self.prefill < 0:
@@ -77,7 +78,13 @@ class Simulator:
         dcost, pcost = profile.step_costs(layout.decode_threads), profile.step_costs(layout.prefill_threads)
         self.decode = {
             f"decode-{i}": DecodeWorker(
-                f"decode-{i}", self, dcost, self._blocks(layout.decode_blocks), layout.decode_scheduler, layout.compiled
+                f"decode-{i}",
+                self,
+                dcost,
+                self._blocks(layout.decode_blocks),
+                layout.decode_scheduler,
+                layout.compiled,
+                layout.macro_steps,
             )
             for i in range(layout.decode)
         }
@@ -106,6 +113,9 @@ class Simulator:
 
     def token(self, request_id: str, now: float) -> None:
         self.recorder.token(request_id, now)
+
+    def tokens(self, request_id: str, start: float, ends: Sequence[float]) -> None:
+        self.recorder.tokens(request_id, start, ends)
 
     def started(self, request_id: str, stage: str, now: float) -> None:
         self.recorder.started(request_id, stage, now)

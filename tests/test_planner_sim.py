@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 from tandem.v1 import worker_pb2
@@ -136,3 +137,16 @@ def test_the_placer_chooses_as_the_router_does():
                 placer.choose(prompt, 32)
             continue
         assert placer.choose(prompt, 32) == expected
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 3), Layout(0, 4)])
+def test_runs_of_decode_steps_match_step_by_step(layout):
+    """Planning unchanged decode steps as one run (cut when a request arrives) gives the
+    step-by-step simulation's latencies."""
+    workload = load("short-chat").with_requests(1500).with_rate(20.0)
+    runs = [
+        simulate(disagg_profile(), replace(layout, macro_steps=m), workload).summary(Targets(1, 0.05)) for m in (1, 16)
+    ]
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p99_s"):
+        assert runs[1][key] == pytest.approx(runs[0][key], rel=0.03), key
+    assert runs[1]["requests"] == runs[0]["requests"] == 1500
