@@ -35,6 +35,7 @@ from cluster.auth import api_keys
 from cluster.cli import add_commands, add_generate_options, offline_generate
 from cluster.config import ConfigError, serve_config
 from cluster.model.arch import ModelFormatError
+from planner.cli import add_commands as add_planner_commands
 from router.client import Client, TandemError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -106,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     status.set_defaults(run=_status)
 
     add_commands(commands)
+    add_planner_commands(commands)
     return parser
 
 

@@ -3,7 +3,9 @@
 - workers and the router import `cluster`; `cluster` imports none of them;
 - `cluster.model` imports nothing from `cluster.engine`, `cluster.kv` or `cluster.pools`;
 - `cluster.engine` imports no `cluster.kv`, `cluster.pools`, gRPC or Ray;
-- only `cluster.pools` imports Ray (in `cluster`; the workers' Ray actors are built there too).
+- only `cluster.pools` imports Ray (in `cluster`; the workers' Ray actors are built there too);
+- nothing in the cluster imports `planner` (but `router.cli`, the command line, adds its commands),
+  and `planner` imports no torch, Ray or gRPC (but `planner.measure`, which times the model).
 
 The checker runs on the project and on a small planted tree, so a wrong import is shown to fail.
 And the code passes the project's linter."""
@@ -22,15 +24,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # package (or subpackage, dotted) -> what no module under it may import (top-level or dotted prefixes)
 RULES = {
-    "cluster": {"prefill_worker", "decode_worker", "router"},
-    "prefill_worker": {"decode_worker", "router"},
-    "decode_worker": {"prefill_worker", "router"},
-    "router": {"prefill_worker", "decode_worker"},
+    "cluster": {"prefill_worker", "decode_worker", "router", "planner"},
+    "prefill_worker": {"decode_worker", "router", "planner"},
+    "decode_worker": {"prefill_worker", "router", "planner"},
+    "router": {"prefill_worker", "decode_worker", "planner"},
+    "planner": {"torch", "ray", "grpc"},
     "cluster.model": {"cluster.engine", "cluster.kv", "cluster.pools", "grpc", "ray"},
     "cluster.engine": {"cluster.kv", "cluster.pools", "grpc", "ray"},
     "cluster.kv": {"cluster.pools", "ray"},
 }
-PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router")
+# (module, forbidden prefix) pairs a rule allows: the command line adds the planner's commands;
+# the profiler runs the model
+ALLOWED = {("router.cli", "planner"), ("planner.measure", "torch")}
+PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "planner")
 RAY_ONLY_IN = "cluster.pools"  # within cluster, the one subpackage that talks to Ray
 
 
@@ -58,7 +64,7 @@ def violations(root: Path) -> list[str]:
             if module != package and not module.startswith(package + "."):
                 continue
             for name in sorted(imports):
-                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                if any((name == f or name.startswith(f + ".")) and (module, f) not in ALLOWED for f in forbidden):
                     found.append(f"{relative} imports {name} (a {package} module must not)")
         if module.startswith("cluster.") and not module.startswith(RAY_ONLY_IN):
             for name in sorted(imports):
@@ -89,6 +95,9 @@ def plant(root: Path, files: dict[str, str]) -> Path:
         ("cluster/telemetry.py", "from ray.util import metrics\n", "only cluster.pools imports Ray"),
         ("cluster/config.py", "from router.client import Client\n", "router.client"),
         ("decode_worker/engine.py", "import prefill_worker.engine\n", "prefill_worker.engine"),
+        ("cluster/pools/autoscaling.py", "from planner import search\n", "planner"),
+        ("router/server.py", "import planner.sim\n", "planner.sim"),
+        ("planner/sim.py", "import torch\n", "imports torch"),
     ],
 )
 def test_a_planted_wrong_import_is_caught(tmp_path, name, source, complaint):
@@ -97,6 +106,9 @@ def test_a_planted_wrong_import_is_caught(tmp_path, name, source, complaint):
         "cluster/engine/model_runner.py": "from cluster.model.causal_lm import CausalLM\n",
         "cluster/kv/grpc_transport.py": "import grpc\nfrom cluster.engine.request import Request\n",
         "router/server.py": "from cluster.kv import wire\n",
+        "router/cli.py": "from planner.cli import add_commands\n",
+        "planner/measure.py": "import torch\nfrom cluster.model import arch\n",
+        "planner/routing.py": "from router import placement\n",
     }
     assert violations(plant(tmp_path / "fine", fine)) == []
     found = violations(plant(tmp_path / "bad", {**fine, name: source}))
@@ -114,7 +126,7 @@ def test_ruff_clean():
 
 def test_the_map_names_every_module():
     """docs/map.md has a row for every module of `cluster` (under its subpackage's heading) and of
-    the workers and the router, so the map cannot fall behind the tree."""
+    the workers, the router and the planner, so the map cannot fall behind the tree."""
     text = (ROOT / "docs" / "map.md").read_text()
     sections = {m.group(1): m.start() for m in re.finditer(r"^## `(cluster[\w.]*)`", text, re.M)}
     assert {"cluster", "cluster.model", "cluster.engine", "cluster.kv", "cluster.pools"} <= set(sections)
@@ -128,7 +140,7 @@ def test_the_map_names_every_module():
         end = min([s for s in sections.values() if s > start] + [len(text)])
         if f"| `{name}` |" not in text[start:end]:
             missing.append(f"{'/'.join(parts)}.py (in the {package} table)")
-    for package in ("prefill_worker", "decode_worker", "router"):
+    for package in ("prefill_worker", "decode_worker", "router", "planner"):
         for path in sorted((ROOT / package).glob("*.py")):
             if path.stem != "__init__" and f"| `{package}/{path.stem}` |" not in text:
                 missing.append(f"{package}/{path.name}")
