@@ -10,6 +10,13 @@ change happens only once the pool has wanted it continuously for `upscale_delay_
 `downscale_delay_s` (fewer), and by at most `max_step` workers; a want that wavers resets its
 clock, so noise does not flap the pool. A manual override (`tandem scale`) replaces the policy
 until it is cleared.
+
+Predictive mode (`planned=N`, the planner's target for this pool at the expected load, e.g. from
+`tandem plan`'s `targets`): the pool wants `max(N, what the signals ask)`. Growing to the plan
+happens at once (by `max_step` a decision; the plan is a forecast, made before the load arrives);
+every other change keeps its delay. So the reactive signals guard the plan: they raise the pool
+above it when the load outruns the forecast (after `upscale_delay_s`) and hold it there until they
+have asked for less for `downscale_delay_s`; they never take the pool below the plan.
 """
 
 from __future__ import annotations
@@ -63,7 +70,14 @@ def wanted(role: str, config: AutoscalingConfig, s: Signals) -> tuple[int, str]:
     return math.ceil(round(n * load, 6)), f"{name} at {load:.0%} of target"
 
 
-def decide(role: str, config: AutoscalingConfig, signals: Signals, state: PolicyState, now: float) -> Decision:
+def decide(
+    role: str,
+    config: AutoscalingConfig,
+    signals: Signals,
+    state: PolicyState,
+    now: float,
+    planned: int | None = None,
+) -> Decision:
     current = state.target
     if state.override is not None:
         target = max(0, state.override)
@@ -71,6 +85,14 @@ def decide(role: str, config: AutoscalingConfig, signals: Signals, state: Policy
             target, f"manual override: {target} workers until cleared", PolicyState(target, override=target)
         )
     asked, why = wanted(role, config, signals)
+    if planned is not None:
+        plan = min(max(planned, config.min_replicas), config.max_replicas)
+        if asked <= plan:
+            why = f"planned {plan} workers; {why}"
+        if asked <= plan and plan > current:
+            target = min(plan, current + config.max_step)
+            return Decision(target, f"scale up to plan: {why}", PolicyState(target, override=state.override))
+        asked = max(asked, plan)
     desired = min(max(asked, config.min_replicas), config.max_replicas)
     if desired > current:
         since = state.wants_more_since if state.wants_more_since is not None else now
