@@ -1,6 +1,6 @@
 """Decode against the memory roofline, with transformers measured side by side in the same run.
 
-    .venv/bin/python benchmarks/decode_roofline.py [--quick] [--device cuda]
+    .venv/bin/python benchmarks/decode_roofline.py [--quick] [--device cuda] [--model DIR|FILE.gguf]
 
 1. Floors of this machine, measured now: memory read bandwidth (a large float32 `sum`) and the
    matrix-multiply rate in the model's dtype. Both drift during a run on a shared machine, so they
@@ -17,8 +17,12 @@
    roofline and speed-up over bfloat16, all in this run. `--quant-only` runs the floors and this
    section alone.
 
+`--model` runs a real model instead of the random preset: a model folder, or a GGUF file (imported
+once); for a GGUF file whose linear weights are Q4_0/Q4_1 blocks, section 4 adds those blocks kept
+as Tandem's int4 weights (the file's own weights, not quantised again).
+
 Prints a table and writes `benchmarks/results/decode_roofline.{json,png}` (with `--quant-only`:
-`decode_roofline_quant.{json,png}`).
+`decode_roofline_quant.{json,png}`; with `--model`, the model folder's name is appended).
 """
 
 from __future__ import annotations
@@ -277,13 +281,12 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--quant-only", action="store_true", help="the floors and the quantised settings only")
+    parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: the random preset)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = args.device
-    preset = "tiny" if args.quick else "smollm-135m"
-    folder = ROOT / ".cache" / "bench" / preset
-    if not (folder / "config.json").exists():
-        init_model_folder(folder, preset, dtype="bfloat16", seed=0)
+    folder, kept = bench_model(args.model, args.quick)
+    preset = folder.name
     batches = [1, 4] if args.quick else [1, 4, 16, 64]
     repeat = 3 if args.quick else 10
 
@@ -295,14 +298,39 @@ def main() -> None:
         results["runs"] += dtype_section(folder, dtype_name, device, batches, repeat, args.quick, results)
 
     if device == "cpu":
-        results["quantised"] = quantised(folder, [1, 4] if args.quick else [1, 16], repeat)
+        results["quantised"] = quantised(folder, [1, 4] if args.quick else [1, 16], repeat, kept)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
     name += "_quant" if args.quant_only else ""
+    name += f"_{preset}" if args.model else ""
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     _plot(results, out / f"{name}.png")
     print(f"\nwrote {out / name}.json and .png")
+
+
+def bench_model(model: str | None, quick: bool) -> tuple[Path, Path | None]:
+    """The model folder to run, and for a GGUF file of Q4 blocks its folder with them kept as int4."""
+    from cluster.model.arch import ModelFormatError
+    from cluster.model.gguf import import_gguf, model_folder
+
+    if model is None:
+        preset = "tiny" if quick else "smollm-135m"
+        folder = ROOT / ".cache" / "bench" / preset
+        if not (folder / "config.json").exists():
+            init_model_folder(folder, preset, dtype="bfloat16", seed=0)
+        return folder, None
+    folder = model_folder(model)
+    if Path(model).suffix.lower() != ".gguf":
+        return folder, None
+    kept = ROOT / ".cache" / "bench" / f"{folder.name}-int4-kept"
+    if not (kept / "config.json").exists():
+        try:
+            import_gguf(model, kept, keep_quantized=True, dtype="bfloat16")
+        except ModelFormatError as e:  # not Q4 blocks: nothing to keep
+            print(f"the file's weights cannot be kept as int4: {e}")
+            return folder, None
+    return folder, kept
 
 
 QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
@@ -314,8 +342,9 @@ QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
 )
 
 
-def quantised(folder: Path, batches: list[int], repeat: int) -> list[dict]:
-    """Section 4: each setting's compiled decode step against the bfloat16 one, same run."""
+def quantised(folder: Path, batches: list[int], repeat: int, kept: Path | None = None) -> list[dict]:
+    """Section 4: each setting's compiled decode step against the bfloat16 one, same run; `kept`: a
+    folder of int4 weights kept from a GGUF file's Q4 blocks, run as one more setting."""
     from cluster.model.attention import kv_row_bytes
     from cluster.model.quant import weight_bytes
 
@@ -323,9 +352,12 @@ def quantised(folder: Path, batches: list[int], repeat: int) -> list[dict]:
     print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}"
           f"{'vs bf16':>9}")  # fmt: skip
     rows: list[dict] = []
-    for label, weights, kv in QUANT_SETTINGS:
+    settings = [(label, weights, kv, folder) for label, weights, kv in QUANT_SETTINGS]
+    settings += [("int4 kept (file's Q4)", "int4", "auto", kept)] if kept is not None else []
+    for label, weights, kv, source in settings:
         torch._dynamo.reset()  # each setting compiles its own graphs
-        model = load_model(folder, "bfloat16", "cpu", weight_dtype=weights, group_size=128)
+        quantise = weights if source == folder else "auto"  # a kept folder loads as it was written
+        model = load_model(source, "bfloat16", "cpu", weight_dtype=quantise, group_size=128)
         arch = model.arch
         cache = CacheConfig(block_size=16, num_blocks=max(batches) * (768 // 16 + 2), kv_dtype=kv)
         engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=64), compile_buckets=batches)

@@ -46,6 +46,7 @@ class Result:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="router address (default: 127.0.0.1:50051)")
     p.add_argument("--config", default=None, help="start this cluster config's cluster first, stop it after")
+    p.add_argument("--model", default=None, help="start a cluster around this model folder or GGUF file")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
     p.add_argument("--rate", type=float, default=float("inf"), help="requests per second (default: inf, all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1 is Poisson)")
@@ -63,13 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.config is None:
+    if args.config is None and args.model is None:
         return _bench(args, args.target)
-    from cluster.config import load_config
+    from cluster.config import serve_config
     from cluster.pools import ray_cluster
     from router.server import from_config
 
-    config = load_config(args.config)
+    config = serve_config(args.config, args.model)
     cluster = ray_cluster.start(config)
     router = from_config(config, cluster.discover, cluster)
     try:

@@ -77,11 +77,3 @@ def test_model_card_quotes_the_recorded_losses():
         assert f"{record['heldout_loss']:.3f}" in card, folder.name
         assert f"{record['train_loss']:.3f}" in card, folder.name
     assert re.search(r"Python \d+\.\d+\.\d+", card)
-
-
-def test_readme_shows_the_run_commands_completion():
-    readme = (ROOT / "README.md").read_text()
-    tok = Tokenizer(DEMO)
-    prompt = "def fibonacci(n):"
-    result = generate(load_model(DEMO, "float32"), [tok.encode(prompt)], 48, eos_token_ids=tok.eos_token_ids)[0]
-    assert prompt + tok.decode(result.tokens) in readme

@@ -11,6 +11,8 @@ transformers loading the same file, on 4 plain-text and 4 chat prompts of 32 gre
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig, parse_config
@@ -184,3 +186,15 @@ def test_served_text_prompt_equals_transformers(served, smollm2, smollm2_referen
     )
     assert done.choices[0].text == tok.decode(ref.tokens[0])
     assert ref.prompts[0] == tok.encode(PLAIN[0])
+
+
+def test_readme_shows_make_runs_answer(smollm2):
+    """`make run` asks the bfloat16 model "What is the capital of France?" as a chat; the README
+    shows the answer it gives, exactly."""
+    tok = Tokenizer(smollm2)
+    prompt = tok.encode_chat(chat("What is the capital of France?"))
+    result = generate(load_model(smollm2, "bfloat16"), [prompt], 48, eos_token_ids=tok.eos_token_ids)[0]
+    answer = tok.decode(result.tokens)
+    assert result.finish_reason == "stop" and "Paris" in answer
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"user: What is the capital of France?\nassistant: {answer}\n[finish: stop]" in readme
