@@ -14,8 +14,8 @@
    (continuous batching) against transformers' static batches of 16, output tokens per second.
 4. Fewer bytes per token: the same preset in bfloat16 with int8 and int4 weights and an int8 KV
    cache (compiled decode, batch 1 and 16): bytes each step reads, step time, fraction of the
-   roofline and speed-up over bfloat16, all in this run. `--quant-only` runs the floors and this
-   section alone.
+   roofline and speed-up over bfloat16, all in this run, with transformers' bfloat16 step beside.
+   `--quant-only` runs the floors and this section alone.
 
 `--model` runs a real model instead of the random preset: a model folder, or a GGUF file (imported
 once); for a GGUF file whose linear weights are Q4_0/Q4_1 blocks, section 4 adds those blocks kept
@@ -377,7 +377,27 @@ def quantised(folder: Path, batches: list[int], repeat: int, kept: Path | None =
             print(f"{label:<22}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
                   f"{bw / 1e9:>8.1f}{nbytes / t / bw:>9.0%}{base / t:>8.2f}x")  # fmt: skip
         del model, engine
+    rows += transformers_rows(folder, batches, rows)
     return rows
+
+
+def transformers_rows(folder: Path, batches: list[int], rows: list[dict]) -> list[dict]:
+    """transformers' bfloat16 decode step on the same weights, beside section 4's settings."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    out = []
+    for batch in batches:
+        t = hf_token_time(hf, batch, "cpu", new_tokens=16)
+        bw = measure_bandwidth("cpu")
+        nbytes = next(r["bytes"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16")
+        base = next(r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16")
+        out.append({"setting": "transformers bfloat16", "weights": "auto", "kv": "auto", "batch": batch,
+                    "step_s": t, "bytes": nbytes, "GBps": nbytes / t / 1e9, "bandwidth_GBps": bw / 1e9,
+                    "roofline_frac": nbytes / t / bw, "speedup_vs_bf16": base / t})  # fmt: skip
+        print(f"{'transformers bfloat16':<22}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
+              f"{bw / 1e9:>8.1f}{nbytes / t / bw:>9.0%}{base / t:>8.2f}x")  # fmt: skip
+    return out
 
 
 class _NoText:
