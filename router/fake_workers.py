@@ -56,6 +56,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.running = 0
         self.draining = False
         self.refuse_watch = False  # a worker that cannot be watched: every Watch call fails at once
+        self.fail_after = -1  # >= 0: the worker dies (`die`) once a Submit has sent this many messages
+        self.dead = False
         self.submitted = 0  # Submit calls taken
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -94,6 +96,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self._epoch += 1
         self._notify()
 
+    def die(self) -> None:
+        """As a killed worker (on the loop): every stream breaks, and it can no longer be watched."""
+        self.dead = self.refuse_watch = True
+        self.break_watches()
+
+    async def _maybe_die(self, sent: int, context) -> None:  # type: ignore[no-untyped-def]
+        if sent == self.fail_after:
+            self.die()
+        if self.dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} died")
+
     def _notify(self) -> None:
         for changed in self._listeners:
             changed.set()
@@ -108,11 +121,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             prompt, done = list(request.prompt_token_ids), len(request.output_token_ids)
             if self.role == "prefill":
                 await asyncio.sleep(self.step_s)
+                await self._maybe_die(0, context)
                 yield worker_pb2.WorkerTokens(request_id=request.request_id, token_ids=[fake_token(prompt, done)])
                 return
             max_tokens = request.sampling.max_tokens or 16
+            if request.remote_prefill:
+                await asyncio.sleep(2 * self.step_s)  # the prefill worker's step and the KV transfer
             for index in range(done, max_tokens):
                 await asyncio.sleep(self.step_s)
+                await self._maybe_die(index - done, context)
                 token = fake_token(prompt, index)
                 last = index == max_tokens - 1
                 yield worker_pb2.WorkerTokens(

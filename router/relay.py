@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from tandem.v1 import api_pb2
+from tandem.v1 import api_pb2, worker_pb2
 
 from cluster.engine.request import SamplingParams
 from cluster.slo import RequestTiming, SLOWindow, Targets
@@ -82,10 +82,10 @@ def rest_of(params: SamplingParams, streamed: int) -> SamplingParams:
     )
 
 
-def watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+async def watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
     """Consumes the prefill call; if it fails, the request fails with its error."""
     try:
-        for msg in prefill_call:
+        async for msg in prefill_call:
             result["cached"] = msg.num_cached_tokens
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.CANCELLED and result.get("cancelled"):
@@ -114,18 +114,19 @@ class Stream:
     speculation: api_pb2.SpeculationStats | None = None
     prompt_text: str = ""  # the prompt decoded, for a client that asked for it (return_prompt_text)
 
-    def response(self, msg) -> api_pb2.GenerateResponse:  # type: ignore[no-untyped-def]
-        """The client's message for a worker's `WorkerTokens`: the first one carries the prompt's
-        length (and text, when asked for), the last one usage and the SLO report."""
+    def response(self, raw: bytes) -> bytes:
+        """The client's message for a worker's `WorkerTokens` (`raw`, as it came): the same bytes,
+        whose shared fields are GenerateResponse's, with what the router adds appended (a later
+        field wins, repeated ones extend): the request id, the first message's prompt length (and
+        text, when asked for), held-back text after a migration, the last one's usage and SLO."""
+        msg = worker_pb2.WorkerTokens.FromString(raw)
         first = not self.chunks
         self.chunks.append((time.time(), len(msg.token_ids)))
         self.generated += msg.token_ids
-        text, self.carry = self.carry + msg.text, ""
-        self.sent_text += text
-        out = api_pb2.GenerateResponse(
-            request_id=self.rid, text=text, token_ids=msg.token_ids, logprobs=msg.logprobs,
-            finish_reason=msg.finish_reason,
-        )  # fmt: skip
+        self.sent_text += self.carry + msg.text
+        out = api_pb2.GenerateResponse(request_id=self.rid)
+        if self.carry:
+            out.text, self.carry = self.carry + msg.text, ""
         if first:
             out.prompt_tokens, out.prompt_text = len(self.prompt), self.prompt_text
         if msg.finish_reason:
@@ -138,12 +139,9 @@ class Stream:
                 )
             )  # fmt: skip
             out.slo.CopyFrom(slo_report(timing, self.targets))
-            if msg.HasField("speculation"):
-                out.speculation.CopyFrom(msg.speculation)
-            out.beams.extend(msg.beams)
             self.speculation = msg.speculation if msg.HasField("speculation") else None
             self.status, self.finish_reason = "ok", msg.finish_reason
-        return out
+        return raw + out.SerializeToString()
 
     def migrated(self, decode: Callable[[list[int]], str]) -> None:
         """The tokens streamed so far go to the next worker as output already generated: any of

@@ -1,5 +1,9 @@
 """The router: the public `tandem.v1.Tandem` service, and `tandem.v1.Admin` for `tandem status`.
 
+It runs on `grpc.aio`: one event loop, on a thread of its own, serves every stream and makes every
+worker call, so thousands of concurrent streams need no thread each; `start`, `drain` and `stop`
+are plain calls for callers that are not async.
+
 Lifecycle of a request:
 
     Generate      validate and tokenise (INVALID_ARGUMENT naming the field); take an admission
@@ -8,53 +12,41 @@ Lifecycle of a request:
                   decode worker and a prefill worker or local prefill (`router.index`); the
                   choice goes out as response metadata (`tandem-prefill`, `tandem-decode`) and
                   is counted in `Admin.GetStatus`
-    relay         the decode worker's stream (tokens, text, finish) is the response stream; the
-                  prefill call runs beside it and its failure fails the request with its code
+    relay         the decode worker's messages are the response stream, relayed as they came with
+                  what the router adds appended (`router.dispatch`); the prefill call runs beside
+                  it and its failure fails the request with its code
     end           client cancellation or deadline cancels both worker calls, which abort the
                   request and free its KV on each worker
 """
 
 from __future__ import annotations
 
-import collections
-import threading
+import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-from cluster.auth import client_keys, mint_capability, secret_metadata
+from cluster.auth import RequireKey, client_keys, secret_metadata
 from cluster.config import ClusterConfig
-from cluster.engine.request import SamplingParams, params_to_proto
-from cluster.grpc_server import Server, start_server
 from cluster.model.arch import ModelArch
 from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
-from router.placement import Choice, NoCapacity
+from router.aio_server import AioServer, start_aio_server
+from router.dispatch import Abort, Dispatcher
 from router.pool import WorkerPool
-from router.relay import (
-    Broken,
-    Malformed,
-    Stream,
-    account,
-    describe,
-    parse,
-    rest_of,
-    trace_metadata,
-    watch_prefill,
-)
+from router.relay import Malformed, Stream, account, parse
 from router.settings import PoolAdmin, RouterSettings, settings_from_config
 from router.validate import InvalidRequest, PromptTokenizer, validate
-from router.view import WorkerView
+from router.view import LoopThread, WorkerView
 
 
-class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
+class Router(worker_pb2_grpc.AdminServicer):
     def __init__(
         self,
         settings: RouterSettings,
@@ -62,7 +54,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         pool: WorkerPool,
         telemetry: Telemetry,
         pools: PoolAdmin | None = None,
-        interceptor: grpc.ServerInterceptor | None = None,
+        interceptor: RequireKey | None = None,
         credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.settings = settings
@@ -73,28 +65,29 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         self.slo = SLOWindow(settings.slo.window_s)
         self.tokenizer = tokenizer
         self.pool = pool
-        self.view = WorkerView(pool, settings.watch_heartbeat_s, settings.watch_stale_after_s)
-        self.decisions: collections.Counter[str] = collections.Counter()
-        self._slots = threading.BoundedSemaphore(settings.max_queued_requests)
-        self._in_flight = 0
+        self.loop = LoopThread()
+        self.view = WorkerView(pool, settings.watch_heartbeat_s, settings.watch_stale_after_s, loop=self.loop)
+        self.dispatcher = Dispatcher(settings, self.view, telemetry, tokenizer)
+        self._in_flight = 0  # touched on the loop only
         self._draining = False
-        self._lock = threading.Lock()
-        self.server: Server | None = None
+        self.server: AioServer | None = None
 
     def start(self, address: str = "127.0.0.1:0") -> str:
         self.view.start()
 
-        def add(server: grpc.Server) -> list[str]:
+        def add(server: grpc.aio.Server) -> list[str]:
             server.add_generic_rpc_handlers((self._public_handlers(),))
             worker_pb2_grpc.add_AdminServicer_to_server(self, server)
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
-        self.server = start_server(
-            add, address, interceptors=[self.interceptor], credentials=self.credentials,
-            max_workers=self.settings.max_queued_requests + 64,  # a Generate holds a thread; room for admin
-        )  # fmt: skip
+        self.server = self.loop.run(start_aio_server(add, address, self.interceptor, self.credentials))
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
+
+    @property
+    def decisions(self):  # type: ignore[no-untyped-def]
+        """Placement counts by decision ("prefill=remote:prefix-owner", ...)."""
+        return self.dispatcher.decisions
 
     @property
     def in_flight(self) -> int:
@@ -106,7 +99,7 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
         UNAVAILABLE, and requests in flight run to their end. True if they all ended in time."""
         self._draining = True
         if self.server is not None:
-            self.server.set_serving(False)
+            self.loop.run(self.server.set_serving(False))
         deadline = time.monotonic() + timeout_s
         while self._in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -114,14 +107,17 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
 
     def stop(self) -> None:
         if self.server is not None:
-            self.server.stop(None)
+            self.loop.run(self.server.stop(None))
         self.view.stop()
+        self.loop.stop()
         self.pool.close()
         self.telemetry.shutdown()
 
     # -- tandem.v1.Tandem --------------------------------------------------------------------------
 
-    def GetModelInfo(self, request: api_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> api_pb2.ModelInfo:
+    async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest, context) -> api_pb2.ModelInfo:  # type: ignore[no-untyped-def]
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
         s = self.settings
         return api_pb2.ModelInfo(
             name=s.model_name,
@@ -135,13 +131,12 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
 
     def _public_handlers(self) -> grpc.GenericRpcHandler:
         """`tandem.v1.Tandem` with requests parsed so that malformed bytes are INVALID_ARGUMENT
-        (gRPC's own parsing failure would be INTERNAL)."""
+        (gRPC's own parsing failure would be INTERNAL); Generate's responses are bytes already."""
         return grpc.method_handlers_generic_handler(
             "tandem.v1.Tandem",
             {
                 "Generate": grpc.unary_stream_rpc_method_handler(
                     self.Generate, request_deserializer=parse(api_pb2.GenerateRequest),
-                    response_serializer=api_pb2.GenerateResponse.SerializeToString,
                 ),
                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                     self.GetModelInfo, request_deserializer=parse(api_pb2.GetModelInfoRequest),
@@ -150,11 +145,11 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             },
         )  # fmt: skip
 
-    def Generate(
-        self, request: api_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[api_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         if isinstance(request, Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
         received = time.time()
         rid = request.request_id or uuid.uuid4().hex
         parent = extract(context.invocation_metadata())  # continues a client's traceparent
@@ -162,57 +157,63 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
             "router.generate", context=parent, kind=trace.SpanKind.SERVER,
             attributes={"gen_ai.request.model": self.settings.model_name, "tandem.request_id": rid},
         )  # fmt: skip
-        status = "error"
+        status, admitted, abort = "error", False, None
         try:
-            try:
-                prompt, params = validate(request, self.settings.limits, self.tokenizer)
-            except InvalidRequest as e:
-                status = "invalid"
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            prompt, params = validate(request, self.settings.limits, self.tokenizer)
             if self._draining:
                 status = "rejected"
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry elsewhere")
-            if not self._slots.acquire(blocking=False):
+                raise Abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry elsewhere")
+            if self._in_flight >= self.settings.max_queued_requests:
                 status = "rejected"
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's admission queue is full; retry later")
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router's admission queue is full; retry later")
+            self._in_flight += 1
+            admitted = True
+            stream = Stream(rid, prompt, received, self._targets(request))
+            if request.return_prompt_text:
+                stream.prompt_text = self.tokenizer.decode(prompt)
             try:
-                with self._lock:
-                    self._in_flight += 1
-                stream = Stream(rid, prompt, received, self._targets(request))
-                if request.return_prompt_text:
-                    stream.prompt_text = self.tokenizer.decode(prompt)
-                yield from self._generate(stream, params, context, trace.set_span_in_context(root))
-                status = stream.status
-                account(self.telemetry, self.slo, root, stream)
+                async for raw in self.dispatcher.generate(stream, params, context, trace.set_span_in_context(root)):
+                    yield raw
             finally:
-                with self._lock:
-                    self._in_flight -= 1
-                self._slots.release()
+                status = stream.status
+            account(self.telemetry, self.slo, root, stream)
+        except InvalidRequest as e:
+            status, abort = "invalid", Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Abort as e:
+            abort = e
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
         finally:
-            if status == "error" and not context.is_active():
+            if admitted:
+                self._in_flight -= 1
+            if status == "error" and context.cancelled():
                 status = "cancelled"
             self.telemetry.metrics.requests.labels(status, self._mode(root)).inc()
             root.set_attribute("tandem.status", status)
             root.end()
+        if abort is not None:
+            await context.abort(abort.code, abort.details)
 
     # -- tandem.v1.Admin ---------------------------------------------------------------------------
 
-    def Scale(self, request: worker_pb2.ScaleRequest, context: grpc.ServicerContext) -> worker_pb2.ScaleResult:
+    async def Scale(self, request: worker_pb2.ScaleRequest, context) -> worker_pb2.ScaleResult:  # type: ignore[no-untyped-def,override]
         if self.pools is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no pool controllers to scale")
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no pool controllers to scale")
         replicas = request.replicas if request.HasField("replicas") else None
         try:
-            return worker_pb2.ScaleResult(pool=self.pools.scale(request.pool, replicas))  # type: ignore[union-attr]
+            pool = await asyncio.to_thread(self.pools.scale, request.pool, replicas)  # type: ignore[union-attr]
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return worker_pb2.ScaleResult(pool=pool)
 
-    def GetStatus(
-        self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext
-    ) -> worker_pb2.ClusterStatus:
-        workers, loads = self.pool.workers(), self.pool.loads()
+    async def GetStatus(self, request: worker_pb2.GetStatusRequest, context) -> worker_pb2.ClusterStatus:  # type: ignore[no-untyped-def,override]
+        workers = await asyncio.to_thread(self.pool.workers)
+        loads = await self._loads(sorted(workers))
+        pools = await asyncio.to_thread(self.pools.pool_status) if self.pools is not None else []
         ttft, tpot = self.slo.latency()
         status = worker_pb2.ClusterStatus(
-            pools=self.pools.pool_status() if self.pools is not None else [],
+            pools=pools,
             model=self.settings.model_name,
             workers=[
                 worker_pb2.WorkerStatus(name=n, address=w.address, healthy=n in loads, load=loads.get(n))
@@ -231,159 +232,16 @@ class Router(api_pb2_grpc.TandemServicer, worker_pb2_grpc.AdminServicer):
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _generate(
-        self,
-        stream: Stream,
-        params: SamplingParams,
-        context: grpc.ServicerContext,
-        trace_context: otel_context.Context,
-    ) -> Iterator[api_pb2.GenerateResponse]:
-        """Places the request and relays its stream. When a worker dies mid-request, the request
-        migrates: a live worker gets the prompt and, as output already generated, the tokens
-        already streamed; it prefills both again and the same client stream continues, no token
-        lost or repeated (at most `migration_limit` times). The tokens keep their output indices,
-        so a seeded request samples on as if it had never moved."""
-        s = self.settings
-        try:
-            choice = self._place(stream.prompt, params, wait_s=0)
-        except NoCapacity as e:
-            stream.status = "rejected"
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        self.decisions[f"prefill={choice.reason}"] += 1
-        root = trace.get_current_span(trace_context)
-        root.set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
-        context.send_initial_metadata(
-            (("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)), ("tandem-decode", choice.decode))
-        )
-        placed = time.time()
-        self.telemetry.record("router.queue", trace_context, stream.received, placed, tandem__prefill=describe(choice))
-        self.telemetry.metrics.queue.labels("router").observe(placed - stream.received)
-        metadata = [*self.pool.metadata, *trace_metadata(trace_context)]
-        worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
-        for attempt in range(s.migration_limit + 1):
-            generated = list(stream.generated)
-            if attempt:
-                if not context.is_active():
-                    stream.status = "cancelled"
-                    return
-                try:
-                    rest = rest_of(params, len(generated))
-                    choice = self._place(stream.prompt + generated, rest, s.migration_wait_s)
-                except NoCapacity as e:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}")
-            tokens = (stream.prompt, generated)
-            try:
-                for msg in self._attempt(f"{worker_id}.{attempt}", tokens, params, choice, context, metadata, stream):
-                    yield stream.response(msg)
-                return
-            except Broken as broken:
-                if not context.is_active():
-                    stream.status = "cancelled"
-                    return
-                if not broken.migratable or attempt == s.migration_limit:
-                    context.abort(broken.code, broken.details)
-                self.telemetry.metrics.migrations.labels(broken.where).inc()
-                stream.migrated(self.tokenizer.decode)
-                event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
-                root.add_event("migration", {**event, "tandem.error": broken.details})
-
-    def _place(self, prompt: list[int], params: SamplingParams, wait_s: float) -> Choice:
-        """Chooses workers from the view the workers push (no RPC here), waiting up to `wait_s` for
-        one to come back (a restarting worker). Beam search needs the prompt's logits on the
-        decode worker, so it is prefilled there."""
-        s = self.settings
-        deadline = time.monotonic() + wait_s
-        local = s.local_prefill_max_tokens if params.num_beams == 1 else len(prompt)
-        max_tokens = params.max_tokens * params.num_beams
-        rediscovered = False
-        while True:
-            try:
-                return self.view.index.choose(prompt, max_tokens, s.block_size, local)
-            except NoCapacity:
-                if not rediscovered:  # a worker added since the last discovery may fit
-                    self.view.refresh()
-                    rediscovered = True
-                    continue
-                if time.monotonic() >= deadline or not wait_s:
-                    raise
-                time.sleep(0.2)
-
-    def _attempt(
-        self,
-        worker_rid: str,
-        tokens: tuple[list[int], list[int]],
-        params: SamplingParams,
-        choice: Choice,
-        context: grpc.ServicerContext,
-        metadata: list[tuple[str, str]],
-        stream: Stream,
-    ) -> Iterator[worker_pb2.WorkerTokens]:
-        """One try on one pair of workers for `tokens` (the prompt, and the output already
-        generated): the decode worker's stream, with the prefill call beside it. Raises `Broken`
-        when either fails; the caller decides whether to migrate."""
-        remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
-        timeout = remaining if remaining is not None and remaining < 1e6 else None
-        calls, prefill_result = self._submit(worker_rid, tokens, params, choice, timeout, metadata)
-        decode_call = calls[0]
-
-        def cancel_all() -> None:
-            prefill_result["cancelled"] = True
-            for call in calls:
-                call.cancel()
-
-        if not context.add_callback(cancel_all):  # the client is already gone
-            cancel_all()
-            return
-        try:
-            for msg in decode_call:
-                if "cached" in prefill_result:
-                    stream.cached_tokens = prefill_result["cached"]  # type: ignore[assignment]
-                yield msg
-        except grpc.RpcError as e:
-            cancel_all()
-            failed = prefill_result.get("error")
-            if isinstance(failed, grpc.RpcError):
-                raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
-            raise Broken(e.code(), e.details() or "", "decode", choice.decode) from None
-
-    def _submit(
-        self,
-        worker_rid: str,
-        tokens: tuple[list[int], list[int]],
-        params: SamplingParams,
-        choice: Choice,
-        timeout: float | None,
-        metadata: list[tuple[str, str]],
-    ) -> tuple[list[grpc.Future], dict[str, object]]:
-        """Starts the decode worker's call (first in the list) and, for remote prefill, the prefill
-        worker's beside it, watched on a thread that records its result."""
-        s = self.settings
-        workers = self.pool.workers()
-        if choice.decode not in workers or (choice.prefill is not None and choice.prefill not in workers):
-            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
-        decode = workers[choice.decode]
-        sampling = params_to_proto(params)
-        prompt, output = tokens
-        request = worker_pb2.WorkerRequest(
-            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
-            remote_prefill=choice.prefill is not None,
-        )  # fmt: skip
-        decode_call = decode.stub.Submit(request, timeout=timeout, metadata=metadata)
-        prefill_result: dict[str, object] = {}
-        if choice.prefill is None:
-            return [decode_call], prefill_result
-        capability = b""
-        if s.capability_secret is not None:
-            num_tokens = len(prompt) + len(output)  # the KV that travels
-            capability = mint_capability(s.capability_secret, worker_rid, num_tokens, s.block_size, s.capability_ttl_s)
-        request = worker_pb2.WorkerRequest(
-            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
-            decode_target=decode.address, capability=capability,
-        )  # fmt: skip
-        prefill_call = workers[choice.prefill].stub.Submit(request, timeout=timeout, metadata=metadata)
-        watcher = threading.Thread(target=watch_prefill, args=(prefill_call, decode_call, prefill_result), daemon=True)
-        watcher.start()
-        return [decode_call, prefill_call], prefill_result
+    async def _loads(self, names: list[str]) -> dict[str, worker_pb2.WorkerLoad]:
+        """Each watched worker's load asked now (`GetLoad`, for `tandem status`); unreachable ones are left out."""
+        asked = {n: c for n in names if (c := self.view.channel(n)) is not None}
+        ask = worker_pb2.GetLoadRequest()
+        calls = [
+            worker_pb2_grpc.WorkerStub(channel).GetLoad(ask, timeout=2.0, metadata=self.pool.metadata)
+            for _, channel in asked.values()
+        ]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        return {n: a for n, a in zip(asked, answers, strict=True) if isinstance(a, worker_pb2.WorkerLoad)}
 
     def _targets(self, request: api_pb2.GenerateRequest) -> Targets:
         budget = request.budget

@@ -3,8 +3,8 @@ feeding a `LoadIndex` that placement reads.
 
 Lifecycle:
 
-    start()        an event loop on one thread of its own (so a thousand workers need no thousand
-                   threads), then the first discovery; it waits (bounded) for each worker's first
+    start()        on an event loop thread (the router's, or one of its own: a thousand workers
+                   need no thousand threads), the first discovery; it waits (bounded) for each worker's first
                    snapshot, so the router places nothing from an empty view
     membership     discovery again every `pool.refresh_s`, or at once on `refresh()`: new workers
                    get a stream; workers that left lose theirs and leave the index
@@ -12,7 +12,9 @@ Lifecycle:
                    worker leaves placement at once and the stream is opened again after `retry_s`
     staleness      nothing heard for `stale_after_s` (a stream that stalls without breaking):
                    the index passes the worker over; a sweep every `heartbeat_s` drops it
-    stop()         cancels every stream and ends the loop
+    stop()         cancels every stream and closes every channel
+
+Each watched worker has one channel, which the router's calls to it share.
 
 The view lags the worker by at most `min_interval_s` plus one message's trip (a change), and is
 trusted for at most `stale_after_s` without a word.
@@ -23,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 
 import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -31,6 +34,31 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster.grpc_server import message_options
 from router.index import LoadIndex
 from router.pool import WorkerPool
+
+
+class LoopThread:
+    """An asyncio event loop running on a thread of its own, for callers that are not async."""
+
+    def __init__(self, name: str = "router-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine, timeout_s: float | None = 30.0):  # type: ignore[no-untyped-def,type-arg]
+        """Runs `coroutine` on the loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+
+
+@dataclass
+class _Member:
+    address: str
+    channel: grpc.aio.Channel
+    task: asyncio.Task  # its Watch stream
 
 
 class WorkerView:
@@ -41,33 +69,40 @@ class WorkerView:
         stale_after_s: float = 2.0,
         min_interval_s: float = 0.01,
         retry_s: float = 0.2,
+        loop: LoopThread | None = None,
     ) -> None:
         self.pool = pool
         self.index = LoadIndex(stale_after_s)
         self.heartbeat_s, self.min_interval_s, self.retry_s = heartbeat_s, min_interval_s, retry_s
         self.updates = 0  # messages received on every stream
-        self._tasks: dict[str, tuple[str, asyncio.Task]] = {}  # name -> (address, its stream's task)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="router-view")
+        self._members: dict[str, _Member] = {}
+        self._own_loop = loop is None
+        self.loop = loop or LoopThread("router-view")
         self._main: asyncio.Future | None = None
 
     def start(self, wait_s: float = 5.0) -> None:
-        self._thread.start()
-        self._main = asyncio.run_coroutine_threadsafe(self._run(), self._loop)  # type: ignore[assignment]
+        self._main = asyncio.run_coroutine_threadsafe(self._run(), self.loop.loop)  # type: ignore[assignment]
         self.refresh(wait_s)
 
     def refresh(self, wait_s: float = 1.0) -> None:
         """Discovers again now and waits up to `wait_s` for each new worker's first snapshot."""
-        self.pool.rediscover()
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            asyncio.run_coroutine_threadsafe(self._sync(wait_s), self._loop).result(wait_s + 5)
+            self.loop.run(self.refresh_async(wait_s), wait_s + 5)
+
+    async def refresh_async(self, wait_s: float = 1.0) -> None:
+        self.pool.rediscover()
+        await self._sync(wait_s)
+
+    def channel(self, name: str) -> tuple[str, grpc.aio.Channel] | None:
+        """The address of a watched worker and the channel to it (on the loop), or None."""
+        member = self._members.get(name)
+        return None if member is None else (member.address, member.channel)
 
     def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
-        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        with contextlib.suppress(RuntimeError):
+            self.loop.run(self._close(), 5)
+        if self._own_loop:
+            self.loop.stop()
 
     # -- on the loop -------------------------------------------------------------------------------
 
@@ -79,51 +114,53 @@ class WorkerView:
 
     async def _sync(self, wait_s: float) -> None:
         workers = await asyncio.to_thread(self.pool.workers)  # discovery may be a Ray call: off the loop
-        gone = [n for n, (address, _) in self._tasks.items() if n not in workers or workers[n].address != address]
+        gone = [n for n, m in self._members.items() if n not in workers or workers[n].address != m.address]
         for name in gone:
-            self._tasks.pop(name)[1].cancel()
-            self.index.remove(name)
+            await self._forget(name)
         fresh = []
         for name, worker in workers.items():
-            if name not in self._tasks:
+            if name not in self._members:
                 first = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(self._watch(name, worker.address, first))
-                self._tasks[name] = (worker.address, task)
+                channel = _channel(worker.address, self.pool.credentials)
+                task = asyncio.create_task(self._watch(name, channel, first))
+                self._members[name] = _Member(worker.address, channel, task)
                 fresh.append(first)
         if fresh and wait_s:
             await asyncio.wait(fresh, timeout=wait_s)
 
-    async def _watch(self, name: str, address: str, first: asyncio.Future) -> None:
+    async def _watch(self, name: str, channel: grpc.aio.Channel, first: asyncio.Future) -> None:
         request = worker_pb2.WatchRequest(min_interval_seconds=self.min_interval_s, heartbeat_seconds=self.heartbeat_s)
         while True:
-            async with _channel(address, self.pool.credentials) as channel:
-                call = worker_pb2_grpc.WorkerStub(channel).Watch(request, metadata=self.pool.metadata)
-                try:
-                    async for update in call:
-                        self.updates += 1
-                        if update.HasField("load"):
-                            self.index.update(name, update.load)
-                        else:
-                            self.index.heard(name)
-                        if not first.done():
-                            first.set_result(None)
-                except grpc.RpcError:
-                    pass
-                finally:
-                    self.index.remove(name)  # out of placement the moment its stream ends
+            call = worker_pb2_grpc.WorkerStub(channel).Watch(request, metadata=self.pool.metadata)
+            try:
+                async for update in call:
+                    self.updates += 1
+                    if update.HasField("load"):
+                        self.index.update(name, update.load)
+                    else:
+                        self.index.heard(name)
                     if not first.done():
-                        first.set_result(None)  # nobody waits on a worker that cannot be reached
+                        first.set_result(None)
+            except grpc.RpcError:
+                pass
+            finally:
+                self.index.remove(name)  # out of placement the moment its stream ends
+                if not first.done():
+                    first.set_result(None)  # nobody waits on a worker that cannot be reached
             self.pool.rediscover()
             await asyncio.sleep(self.retry_s)
+
+    async def _forget(self, name: str) -> None:
+        member = self._members.pop(name)
+        member.task.cancel()
+        self.index.remove(name)
+        await member.channel.close()
 
     async def _close(self) -> None:
         if self._main is not None:
             self._main.cancel()
-        tasks = [task for _, task in self._tasks.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        for name in list(self._members):
+            await self._forget(name)
 
 
 def _channel(address: str, credentials: grpc.ChannelCredentials | None, options: Sequence = ()) -> grpc.aio.Channel:

@@ -238,7 +238,7 @@ def test_malformed_bytes_are_invalid_argument_and_oversize_is_refused(fuzz_targe
 def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from router.placement import NoCapacity, choose_decode
+    from router.placement import NoCapacity
 
     address, router, decode, stop = start_cluster(
         scheduler={"wedged_after_s": 0.5}, router={"local_prefill_max_tokens": 100}
@@ -259,8 +259,14 @@ def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
             assert time.monotonic() < deadline, "a wedged engine must turn its health NOT_SERVING"
             time.sleep(0.05)
         assert decode.load().wedged
-        with pytest.raises(NoCapacity):
-            choose_decode(16, router.pool.loads(), 16)  # the router places nothing there
+        deadline = time.monotonic() + 1  # the wedged load reaches the router on its Watch stream
+        while True:
+            try:
+                router.view.index.choose([1], 1, 16, 100)
+            except NoCapacity:
+                break  # the router places nothing there
+            assert time.monotonic() < deadline, "the router's view must take the wedged worker out"
+            time.sleep(0.01)
         release.set()
         stuck.join(60)
         deadline = time.monotonic() + 10

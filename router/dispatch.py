@@ -1,0 +1,205 @@
+"""One admitted request from placement to its last message, on the router's event loop: choose
+workers from the pushed view, call them over `grpc.aio`, relay the decode worker's messages as
+they came (`Stream.response` appends what the router adds), and migrate when a worker fails.
+
+    place      `LoadIndex.choose` (no RPC); NoCapacity waits up to `migration_wait_s` on a move
+    attempt    decode.Submit (the response stream), prefill.Submit beside it as a task
+    migrate    a migratable failure: the prompt and the tokens already streamed go to a live
+               worker as output already generated, at most `migration_limit` times
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from tandem.v1 import worker_pb2
+
+from cluster.auth import mint_capability
+from cluster.engine.request import SamplingParams, params_to_proto
+from cluster.telemetry import Telemetry
+from router.placement import Choice, NoCapacity
+from router.relay import Broken, Stream, describe, rest_of, trace_metadata, watch_prefill
+from router.settings import RouterSettings
+from router.validate import PromptTokenizer
+from router.view import WorkerView
+
+SUBMIT = "/tandem.v1.Worker/Submit"
+
+
+class Abort(Exception):
+    """The request ends with this status, sent by the caller (`context.abort`)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class Dispatcher:
+    def __init__(
+        self, settings: RouterSettings, view: WorkerView, telemetry: Telemetry, tokenizer: PromptTokenizer
+    ) -> None:
+        self.settings, self.view, self.telemetry, self.tokenizer = settings, view, telemetry, tokenizer
+        self.decisions: collections.Counter[str] = collections.Counter()
+
+    async def generate(
+        self, stream: Stream, params: SamplingParams, context: grpc.aio.ServicerContext,
+        trace_context: otel_context.Context,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """Places the request and relays its stream. When a worker dies mid-request, the request
+        migrates: a live worker gets the prompt and, as output already generated, the tokens
+        already streamed; it prefills both again and the same client stream continues, no token
+        lost or repeated. The tokens keep their output indices, so a seeded request samples on
+        as if it had never moved. Raises `Abort` for the caller to end the call with."""
+        s = self.settings
+        try:
+            choice = await self.place(stream.prompt, params, wait_s=0)
+        except NoCapacity as e:
+            stream.status = "rejected"
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        self.decisions[f"prefill={choice.reason}"] += 1
+        root = trace.get_current_span(trace_context)
+        root.set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
+        await context.send_initial_metadata(
+            (("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)), ("tandem-decode", choice.decode))
+        )
+        placed = time.time()
+        self.telemetry.record("router.queue", trace_context, stream.received, placed, tandem__prefill=describe(choice))
+        self.telemetry.metrics.queue.labels("router").observe(placed - stream.received)
+        metadata = [*self.view.pool.metadata, *trace_metadata(trace_context)]
+        worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
+        for attempt in range(s.migration_limit + 1):
+            generated = list(stream.generated)
+            if attempt:
+                try:
+                    rest = rest_of(params, len(generated))
+                    choice = await self.place(stream.prompt + generated, rest, s.migration_wait_s)
+                except NoCapacity as e:
+                    raise Abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}") from None
+            tokens = (stream.prompt, generated)
+            try:
+                rid = f"{worker_id}.{attempt}"
+                async for raw in self._attempt(rid, tokens, params, choice, context, metadata, stream):
+                    yield stream.response(raw)
+                return
+            except Broken as broken:
+                if not broken.migratable or attempt == s.migration_limit:
+                    raise Abort(broken.code, broken.details) from None
+                self.telemetry.metrics.migrations.labels(broken.where).inc()
+                stream.migrated(self.tokenizer.decode)
+                event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
+                root.add_event("migration", {**event, "tandem.error": broken.details})
+
+    async def place(self, prompt: list[int], params: SamplingParams, wait_s: float) -> Choice:
+        """Chooses workers from the view the workers push (no RPC here), waiting up to `wait_s` for
+        one to come back (a restarting worker). Beam search needs the prompt's logits on the
+        decode worker, so it is prefilled there."""
+        s = self.settings
+        deadline = time.monotonic() + wait_s
+        local = s.local_prefill_max_tokens if params.num_beams == 1 else len(prompt)
+        max_tokens = params.max_tokens * params.num_beams
+        rediscovered = False
+        while True:
+            try:
+                return self.view.index.choose(prompt, max_tokens, s.block_size, local)
+            except NoCapacity:
+                if not rediscovered:  # a worker added since the last discovery may fit
+                    await self.view.refresh_async()
+                    rediscovered = True
+                    continue
+                if time.monotonic() >= deadline or not wait_s:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def _attempt(
+        self,
+        worker_rid: str,
+        tokens: tuple[list[int], list[int]],
+        params: SamplingParams,
+        choice: Choice,
+        context: grpc.aio.ServicerContext,
+        metadata: list[tuple[str, str]],
+        stream: Stream,
+    ) -> AsyncIterator[bytes]:
+        """One try on one pair of workers for `tokens` (the prompt, and the output already
+        generated): the decode worker's messages as they came, with the prefill call beside it.
+        Raises `Broken` when either fails; the caller decides whether to migrate. However it ends
+        (the client gone included), both worker calls are cancelled."""
+        remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
+        timeout = remaining if remaining is not None and remaining < 1e6 else None
+        decode_call, prefill_call = self._submit(worker_rid, tokens, params, choice, timeout, metadata)
+        result: dict[str, object] = {}
+        watcher = None
+        if prefill_call is not None:
+            watcher = asyncio.create_task(watch_prefill(prefill_call, decode_call, result))
+        try:
+            async for raw in decode_call:
+                if "cached" in result:
+                    stream.cached_tokens = result["cached"]  # type: ignore[assignment]
+                yield raw
+        except asyncio.CancelledError:
+            failed = result.get("error")
+            task = asyncio.current_task()
+            if not isinstance(failed, grpc.RpcError) or (task is not None and task.cancelling()):
+                raise  # the client left
+            # The prefill call failed and cancelled the decode call: an aio call cancelled here
+            # raises CancelledError, not RpcError.
+            raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
+        except grpc.RpcError as e:
+            if watcher is not None:
+                await asyncio.wait([watcher], timeout=1.0)  # the prefill call's own error, if it failed first
+            failed = result.get("error")
+            if isinstance(failed, grpc.RpcError):
+                raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
+            raise Broken(e.code(), e.details() or "", "decode", choice.decode) from None
+        finally:
+            result["cancelled"] = True
+            decode_call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
+
+    def _submit(
+        self,
+        worker_rid: str,
+        tokens: tuple[list[int], list[int]],
+        params: SamplingParams,
+        choice: Choice,
+        timeout: float | None,
+        metadata: list[tuple[str, str]],
+    ):  # type: ignore[no-untyped-def]
+        """Starts the decode worker's call (its messages left as bytes) and, for remote prefill,
+        the prefill worker's."""
+        s = self.settings
+        decode = self.view.channel(choice.decode)
+        prefill = None if choice.prefill is None else self.view.channel(choice.prefill)
+        if decode is None or (choice.prefill is not None and prefill is None):
+            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
+        sampling = params_to_proto(params)
+        prompt, output = tokens
+        request = worker_pb2.WorkerRequest(
+            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
+            remote_prefill=prefill is not None,
+        )  # fmt: skip
+        submit = decode[1].unary_stream(SUBMIT, request_serializer=worker_pb2.WorkerRequest.SerializeToString)
+        decode_call = submit(request, timeout=timeout, metadata=metadata)
+        if prefill is None:
+            return decode_call, None
+        capability = b""
+        if s.capability_secret is not None:
+            num_tokens = len(prompt) + len(output)  # the KV that travels
+            capability = mint_capability(s.capability_secret, worker_rid, num_tokens, s.block_size, s.capability_ttl_s)
+        request = worker_pb2.WorkerRequest(
+            request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
+            decode_target=decode[0], capability=capability,
+        )  # fmt: skip
+        submit = prefill[1].unary_stream(
+            SUBMIT, request_serializer=worker_pb2.WorkerRequest.SerializeToString,
+            response_deserializer=worker_pb2.WorkerTokens.FromString,
+        )  # fmt: skip
+        return decode_call, submit(request, timeout=timeout, metadata=metadata)

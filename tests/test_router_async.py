@@ -1,0 +1,161 @@
+"""The async router over fake workers (no model, real gRPC): relayed messages, the admission bound,
+and a thousand concurrent streams on a bounded number of threads."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from pathlib import Path
+
+import grpc
+import pytest
+from tandem.v1 import api_pb2, api_pb2_grpc
+
+from cluster.config import TelemetryConfig
+from cluster.telemetry import Telemetry
+from router.fake_workers import VOCAB, FakeFleet, FakeTokenizer, fake_token
+from router.pool import WorkerPool
+from router.server import Router
+from router.settings import RouterSettings
+from router.validate import Limits
+
+
+def make_router(fleet: FakeFleet, max_queued: int = 2048) -> Router:
+    settings = RouterSettings(
+        model_name="fake", architecture="fake", limits=Limits(4096, VOCAB), block_size=16, eos_token_ids=(),
+        has_chat_template=False, dtype="none", max_queued_requests=max_queued,
+    )  # fmt: skip
+    return Router(settings, FakeTokenizer(), WorkerPool(fleet.addresses), Telemetry(TelemetryConfig(), "test-router"))
+
+
+@pytest.fixture
+def fleet():
+    fleet = FakeFleet()
+    yield fleet
+    fleet.close()
+
+
+def threads() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def stream(stub, text: str, max_tokens: int) -> list[api_pb2.GenerateResponse]:  # type: ignore[no-untyped-def]
+    sampling = api_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)
+    return [m async for m in stub.Generate(api_pb2.GenerateRequest(text=text, sampling=sampling, request_id="r"))]
+
+
+def run_streams(address: str, n: int, max_tokens: int, channels: int = 8):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        chans = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+        try:
+            stubs = [api_pb2_grpc.TandemStub(c) for c in chans]
+            calls = [stream(stubs[i % channels], f"w{i} x y", max_tokens) for i in range(n)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            for c in chans:
+                await c.close()
+
+    return asyncio.run(main())
+
+
+def test_relayed_messages_carry_the_workers_tokens_and_what_the_router_adds(fleet):
+    fleet.add("decode-0", step_s=0.001)
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        [messages] = run_streams(address, 1, 5, channels=1)
+        prompt = FakeTokenizer().encode("w0 x y")
+        assert [t for m in messages for t in m.token_ids] == [fake_token(prompt, i) for i in range(5)]
+        assert "".join(m.text for m in messages) == FakeTokenizer().decode([fake_token(prompt, i) for i in range(5)])
+        assert {m.request_id for m in messages} == {"r"}, "the client's id, not the worker's"
+        assert messages[0].prompt_tokens == 3
+        assert messages[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH
+        assert messages[-1].usage.completion_tokens == 5 and messages[-1].usage.prompt_tokens == 3
+        assert messages[-1].HasField("slo")
+        assert router.decisions["prefill=local:short-prompt"] == 1
+    finally:
+        router.stop()
+
+
+def test_the_admission_bound_refuses_before_the_stream_and_the_rest_complete(fleet):
+    fleet.add("decode-0", step_s=0.02)
+    router = make_router(fleet, max_queued=10)
+    address = router.start()
+    try:
+        results = run_streams(address, 40, 10)
+        refused = [r for r in results if isinstance(r, grpc.RpcError)]
+        done = [r for r in results if not isinstance(r, BaseException)]
+        assert refused and {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert len(done) >= 10 and all(len(r) == 10 for r in done)
+        assert len(refused) + len(done) == 40
+        assert router.in_flight == 0
+    finally:
+        router.stop()
+
+
+def test_1000_concurrent_streams_through_one_router_on_bounded_threads(fleet):
+    for i in range(16):
+        fleet.add(f"decode-{i}", step_s=0.05)
+    router = make_router(fleet)
+    address = router.start()
+    before = threads()
+    peak = [before]
+
+    async def watch_threads(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], threads())
+            await asyncio.sleep(0.05)
+
+    async def main():  # type: ignore[no-untyped-def]
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_threads(stop))
+        chans = [grpc.aio.insecure_channel(address) for _ in range(8)]
+        stubs = [api_pb2_grpc.TandemStub(c) for c in chans]
+        try:
+            return await asyncio.gather(*(stream(stubs[i % 8], f"w{i} x", 8) for i in range(1000)))
+        finally:
+            stop.set()
+            await watcher
+            for c in chans:
+                await c.close()
+
+    try:
+        results = asyncio.run(main())
+        assert len(results) == 1000 and all(len(r) == 8 and r[-1].usage.completion_tokens == 8 for r in results)
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"\n1000 streams: threads {before} -> peak {peak[0]}; peak RSS of the test process {rss_mib:.0f} MiB")
+        assert peak[0] - before < 32, "a thread per stream would add a thousand"
+        assert router.in_flight == 0
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill"])
+def test_a_worker_that_fails_mid_request_is_migrated_and_the_output_is_unchanged(fleet, where):
+    broken = fleet.add(f"{where}-0", role=where, step_s=0.002)
+    fleet.add(f"{where}-1", role=where, step_s=0.002)
+    if where == "prefill":
+        fleet.add("decode-0", step_s=0.002)
+    broken.fail_after = 0 if where == "prefill" else 3
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        # Past local_prefill_max_tokens: prefilled remotely, on both prefill workers by their prefixes.
+        texts = [" ".join(f"w{i}" for i in range(k, k + 80)) for k in range(8)]
+        results = asyncio.run(_streams_of(address, texts, 10))
+        for text, messages in zip(texts, results, strict=True):
+            assert not isinstance(messages, BaseException), messages
+            prompt = FakeTokenizer().encode(text)
+            assert [t for m in messages for t in m.token_ids] == [fake_token(prompt, i) for i in range(10)]
+        assert router.telemetry.metrics.migrations.labels(where)._value.get() >= 1
+    finally:
+        router.stop()
+
+
+async def _streams_of(address: str, texts: list[str], max_tokens: int):  # type: ignore[no-untyped-def]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = api_pb2_grpc.TandemStub(channel)
+        return await asyncio.gather(*(stream(stub, t, max_tokens) for t in texts), return_exceptions=True)
