@@ -28,7 +28,7 @@ class SimResult:
     itl: list[float] = field(default_factory=list)
     queue: dict[str, list[float]] = field(default_factory=dict)  # stage -> waits
     busy_s: dict[str, float] = field(default_factory=dict)  # pool -> summed busy seconds
-    workers: dict[str, int] = field(default_factory=dict)
+    workers: dict[str, float] = field(default_factory=dict)  # pool -> mean workers over the run
     steps: int = 0
     rejected: int = 0
 
@@ -124,23 +124,32 @@ class Recorder:
         rec[_LAST] = start + ends[-1]
         rec[_TOKENS] += len(ends)
 
-    def finish(self, rid: str, now: float) -> None:
+    def finish(self, rid: str, now: float) -> tuple[float, float | None]:
+        """Records a finished request; returns its TTFT and TPOT."""
         rec = self.live.pop(rid)
         delay = self.router.per_s  # each token's relay through the router
         n, r = rec[_TOKENS], self.result
-        r.ttft.append(rec[_FIRST] + delay - rec[_ARRIVAL])
+        ttft = rec[_FIRST] + delay - rec[_ARRIVAL]
+        tpot = (rec[_LAST] - rec[_FIRST]) / (n - 1) if n > 1 else None
+        r.ttft.append(ttft)
         r.e2e.append(rec[_LAST] + delay - rec[_ARRIVAL])
-        r.tpot.append((rec[_LAST] - rec[_FIRST]) / (n - 1) if n > 1 else None)
+        r.tpot.append(tpot)
         if rec[_GAPS]:
             r.itl.extend(rec[_GAPS])
+        return ttft, tpot
 
-    def result_for(self, layout: str, now: float, workers: Sequence[Any]) -> SimResult:
+    def result_for(self, layout: str, now: float, lives: Sequence[tuple[Any, float]]) -> SimResult:
+        """`lives`: each worker that ran, with the seconds it ran (a pool that scaled has fewer
+        than all the time); a pool's workers are its mean over the run."""
         r = self.result
         out = SimResult(layout, now, r.ttft, r.tpot, r.e2e, r.itl, r.queue, rejected=r.rejected)
-        for w in workers:
+        seconds: dict[str, float] = {}
+        for w, alive in lives:
             out.busy_s[w.role] = out.busy_s.get(w.role, 0.0) + w.busy_s
-            out.workers[w.role] = out.workers.get(w.role, 0) + 1
+            seconds[w.role] = seconds.get(w.role, 0.0) + alive
             out.steps += w.steps
+        for role, total in seconds.items():
+            out.workers[role] = total / now if now > 0 else 0.0
         return out
 
 

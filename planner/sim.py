@@ -74,30 +74,63 @@ class Simulator:
         self._seq = itertools.count()
         self.recorder = Recorder(profile.router, itl_every)
         self.rng = random.Random(seed)
-        bs = profile.block_size
-        dcost, pcost = profile.step_costs(layout.decode_threads), profile.step_costs(layout.prefill_threads)
-        self.decode = {
-            f"decode-{i}": DecodeWorker(
-                f"decode-{i}",
-                self,
-                dcost,
-                self._blocks(layout.decode_blocks),
-                layout.decode_scheduler,
-                layout.compiled,
-                layout.macro_steps,
-            )
-            for i in range(layout.decode)
+        self._costs = {
+            "decode": profile.step_costs(layout.decode_threads),
+            "prefill": profile.step_costs(layout.prefill_threads),
         }
-        self.prefill = {
-            f"prefill-{i}": PrefillWorker(
-                f"prefill-{i}", self, pcost, self._blocks(layout.prefill_blocks), layout.prefill_scheduler, self._ship
-            )
-            for i in range(layout.prefill)
-        }
-        self.placer = Placer(self._load, bs, layout.local_prefill_max_tokens if layout.prefill else 10**12, seed=seed)
-        self.placer.set_workers(list(self.decode), list(self.prefill))
+        self.decode: dict[str, DecodeWorker] = {}
+        self.prefill: dict[str, PrefillWorker] = {}
+        self.retired: list[tuple[DecodeWorker | PrefillWorker, float]] = []  # (worker, when it stopped)
+        self._born: dict[str, float] = {}
+        self._count = itertools.count()
+        local = layout.local_prefill_max_tokens if layout.prefill else 10**12
+        self.placer = Placer(self._load, profile.block_size, local, seed=seed)
+        for _ in range(layout.decode):
+            self.add_worker("decode", 0.0)
+        for _ in range(layout.prefill):
+            self.add_worker("prefill", 0.0)
         self._targets: dict[str, str] = {}  # request id -> its decode worker (remote prefills)
         self._transfer_s = lambda n: profile.transfer_s(layout.transport, n) if layout.prefill else 0.0
+        self.pending_arrivals = True
+        self.scalers: list = []  # planner.scaling.PoolScaler, when the pools autoscale
+
+    def add_worker(self, role: str, now: float) -> None:
+        layout, name = self.layout, f"{role}-{next(self._count)}"
+        if role == "decode":
+            blocks = self._blocks(layout.decode_blocks)
+            self.decode[name] = DecodeWorker(
+                name, self, self._costs[role], blocks, layout.decode_scheduler, layout.compiled, layout.macro_steps
+            )
+        else:
+            blocks = self._blocks(layout.prefill_blocks)
+            self.prefill[name] = PrefillWorker(
+                name, self, self._costs[role], blocks, layout.prefill_scheduler, self._ship
+            )
+        self._born[name] = now
+        self._placeable()
+
+    def drain(self, worker: DecodeWorker | PrefillWorker) -> None:
+        """Takes a worker out of placement; `retire_idle` stops it once its work is done."""
+        worker.draining = True
+        self._placeable()
+
+    def retire_idle(self, now: float) -> None:
+        for pool in (self.decode, self.prefill):
+            for name, worker in list(pool.items()):
+                if worker.draining and worker.idle and name not in self._targets.values():
+                    del pool[name]
+                    self.retired.append((worker, now))
+
+    def _placeable(self) -> None:
+        self.placer.set_workers(
+            [n for n, w in self.decode.items() if not w.draining],
+            [n for n, w in self.prefill.items() if not w.draining],
+        )
+
+    @property
+    def busy(self) -> bool:
+        """Requests still in flight, or still to arrive."""
+        return self.pending_arrivals or bool(self.recorder.live)
 
     def _blocks(self, n: int) -> BlockManager:
         return BlockManager(n, self.profile.block_size, self.layout.watermark, self.layout.prefix_caching)
@@ -121,7 +154,9 @@ class Simulator:
         self.recorder.started(request_id, stage, now)
 
     def finished(self, request: Request, now: float) -> None:
-        self.recorder.finish(request.request_id, now)
+        ttft, tpot = self.recorder.finish(request.request_id, now)
+        for scaler in self.scalers:
+            scaler.observe(ttft, tpot)
 
     # -- a request's path ----------------------------------------------------------------------------
 
@@ -168,9 +203,11 @@ class Simulator:
 
         def next_arrival() -> None:
             item = next(stream, None)
-            if item is not None:
-                n, a = item
-                self.at(a.time + self.profile.router.base_s, lambda t: (self._arrive(n, a, t), next_arrival()))
+            if item is None:
+                self.pending_arrivals = False
+                return
+            n, a = item
+            self.at(a.time + self.profile.router.base_s, lambda t: (self._arrive(n, a, t), next_arrival()))
 
         next_arrival()
         heap = self._heap
@@ -180,8 +217,10 @@ class Simulator:
                 break
             self.now = time
             event(time)
-        workers = [*self.prefill.values(), *self.decode.values()]
-        return self.recorder.result_for(self.layout.name, self.now, workers)
+        born, end = self._born, self.now
+        lives = [(w, end - born[w.name]) for w in (*self.prefill.values(), *self.decode.values())]
+        lives += [(w, stopped - born[w.name]) for w, stopped in self.retired]
+        return self.recorder.result_for(self.layout.name, self.now, lives)
 
 
 def _prompt(n: int, a: Arrival) -> list[int]:

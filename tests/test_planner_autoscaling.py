@@ -54,3 +54,38 @@ def test_the_plan_is_bounded_and_a_manual_override_still_wins():
     assert decide("decode", CONFIG, quiet(9), PolicyState(9), 0, planned=50).target == 10
     manual = decide("decode", CONFIG, quiet(2), PolicyState(2, override=2), 0, planned=8)
     assert manual.target == 2 and "manual" in manual.reason
+
+
+def scaled_run(planned: int | None):
+    from planner.profile import DecodeCost, LinearCost, PrefillCost, Profile, StepCosts
+    from planner.scaling import PoolScaler
+    from planner.sim import Layout, Simulator
+    from planner.workload import parse
+
+    step = StepCosts(PrefillCost(0.002, 1e-4), DecodeCost(0.01, 2e-3))
+    profile = Profile({1: step}, {"grpc": LinearCost(0.001, 0.0)}, LinearCost(0.0, 0.0), 1024)
+    workload = parse({
+        "arrival": {"process": "poisson", "rate": 40.0}, "requests": 1500,
+        "classes": [{"prompt": {"dist": "fixed", "value": 32}, "output": {"dist": "fixed", "value": 64}}],
+    })  # fmt: skip
+    sim = Simulator(profile, Layout(0, 1))
+    config = AutoscalingConfig(
+        max_replicas=4, upscale_delay_s=2, downscale_delay_s=5, interval_s=1, target_running_seqs=8, max_step=4
+    )
+    scaler = PoolScaler(sim, "decode", config, slo_s=0.05, planned=planned, start_s=3)
+    scaler.start()
+    return sim.run(workload), scaler
+
+
+def test_the_simulated_pool_scales_on_the_real_policy():
+    result, scaler = scaled_run(None)
+    assert result.requests == 1500
+    assert scaler.decisions and scaler.decisions[0][0] >= 2 and "scale up" in scaler.decisions[0][2]
+    assert 1 < result.workers["decode"] <= 4
+
+
+def test_a_planned_pool_starts_at_its_plan():
+    result, scaler = scaled_run(4)
+    assert scaler.decisions[0][:2] == (1.0, 4) and "plan" in scaler.decisions[0][2]
+    baseline, _ = scaled_run(None)
+    assert sorted(result.ttft)[len(result.ttft) // 2] < sorted(baseline.ttft)[len(baseline.ttft) // 2]

@@ -87,6 +87,7 @@ def decide(
     asked, why = wanted(role, config, signals)
     if planned is not None:
         plan = min(max(planned, config.min_replicas), config.max_replicas)
+        asked = min(asked, config.max_replicas)
         if asked <= plan:
             why = f"planned {plan} workers; {why}"
         if asked <= plan and plan > current:
