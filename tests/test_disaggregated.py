@@ -17,13 +17,14 @@ import pytest
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
 from cluster.engine.request import SamplingParams
 from cluster.kv.collective import CollectiveGroups
-from cluster.kv.grpc_transport import CollectiveSender, GrpcSender, serve
+from cluster.kv.grpc_transport import GrpcSender, serve
 from cluster.kv.transport import LocalSender, TransferState
 from cluster.kv.wire import model_fingerprint
 from cluster.model.loader import load_model
 from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 from prefill_worker.engine import PrefillEngine
+from tests.kv_senders import kv_sender
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = CacheConfig(block_size=4, num_blocks=200, watermark=0.0)
@@ -78,20 +79,7 @@ def decode_side(model):
 @pytest.mark.parametrize("transport", ["local", "grpc", "collective"])
 def test_disaggregated_equals_colocated(model, colocated, transport, layerwise):
     engine, intake = decode_side(model)
-    closers = []
-    if transport == "local":
-        sender = LocalSender(intake)
-    else:
-        groups = CollectiveGroups("cpu", timeout_s=10)
-        server, port = serve(intake, groups=groups)
-        closers += [lambda: server.stop(None), groups.close]
-        if transport == "grpc":
-            sender = GrpcSender(f"127.0.0.1:{port}")
-        else:
-            sender_groups = CollectiveGroups("cpu", timeout_s=10)
-            sender = CollectiveSender(f"127.0.0.1:{port}", sender_groups)
-            closers.append(sender_groups.close)
-    try:
+    with kv_sender(transport, intake) as sender:
         transfer = TransferConfig(layerwise=layerwise, layers_per_chunk=1 if layerwise else 2)
         prefill = PrefillEngine(model, CACHE, PREFILL, transfer, num_blocks=CACHE.num_blocks)
         requests = workload()
@@ -114,9 +102,6 @@ def test_disaggregated_equals_colocated(model, colocated, transport, layerwise):
             assert disaggregated[rid][0] == first[rid]
             assert disaggregated[rid] == colocated[rid], rid
         assert engine.scheduler.blocks.num_free_blocks == CACHE.num_blocks
-    finally:
-        for close in reversed(closers):
-            close()
 
 
 def test_collective_between_two_processes_over_gloo(model, colocated, hf_models):

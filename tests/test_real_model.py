@@ -18,15 +18,14 @@ import pytest
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig, parse_config
 from cluster.engine.request import SamplingParams
 from cluster.generate import generate
-from cluster.kv.collective import CollectiveGroups
-from cluster.kv.grpc_transport import CollectiveSender, GrpcSender, serve
-from cluster.kv.transport import LocalSender, TransferState
+from cluster.kv.transport import TransferState
 from cluster.kv.wire import model_fingerprint
 from cluster.model.loader import load_model
 from cluster.model.tokenizer import Tokenizer
 from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 from prefill_worker.engine import PrefillEngine
+from tests.kv_senders import kv_sender
 from tests.smollm2 import CHATS, NEW_TOKENS, PLAIN, bf16_ulp, chat, real, rel_err
 
 pytestmark = [real, pytest.mark.slow]
@@ -89,21 +88,8 @@ def test_disaggregated_tokens_equal_transformers(float32, smollm2_reference, pre
         for rid, prompt in requests.items():
             engine.add_request(rid, prompt, GREEDY)
     else:
-        closers = []
         intake = KVIntake(engine, model_fingerprint(float32, float32.arch), timeout_s=60)
-        if prefill == "local-transport":
-            sender = LocalSender(intake)
-        else:
-            groups = CollectiveGroups("cpu", timeout_s=30)
-            server, port = serve(intake, groups=groups)
-            closers += [lambda: server.stop(None), groups.close]
-            if prefill == "grpc":
-                sender = GrpcSender(f"127.0.0.1:{port}")
-            else:
-                sender_groups = CollectiveGroups("cpu", timeout_s=30)
-                sender = CollectiveSender(f"127.0.0.1:{port}", sender_groups)
-                closers.append(sender_groups.close)
-        try:
+        with kv_sender(prefill.removesuffix("-transport"), intake, timeout_s=30) as sender:
             prefiller = PrefillEngine(float32, CACHE, SCHEDULER, TransferConfig(), num_blocks=CACHE.num_blocks)
             for rid, prompt in requests.items():
                 prefiller.add_request(rid, prompt, GREEDY, sender)
@@ -113,9 +99,6 @@ def test_disaggregated_tokens_equal_transformers(float32, smollm2_reference, pre
                     streams[out.request_id] = out.transfer
             for rid in requests:
                 assert streams[rid].wait(60) is TransferState.DONE, streams[rid].error
-        finally:
-            for close in reversed(closers):
-                close()
     tokens = decode_all(engine, requests)
     for i, rid in enumerate(requests):
         assert tokens[rid] == ref.tokens[i], f"prompt {i} ({prefill})"
