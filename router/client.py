@@ -11,9 +11,11 @@ Python program can use it:
             print(delta.text, end="", flush=True)
 
 `AsyncClient` has the same methods as coroutines and async iterators. Every call takes a
-`timeout` (seconds, the call's deadline). Calls that fail with UNAVAILABLE before the first token
-are retried with exponential backoff; other failures raise a `TandemError` subclass named for
-the gRPC status code.
+`timeout` (seconds, the call's deadline). Calls that fail with UNAVAILABLE are retried with
+exponential backoff: before the first token from the start, after it as a resumption (the request
+again, with `resume`: its id and the tokens and text received), which any router continues from
+where the stream broke, nothing lost or repeated. Other failures raise a `TandemError` subclass
+named for the gRPC status code.
 """
 
 from __future__ import annotations
@@ -135,12 +137,35 @@ class Completion:
 def _settings(client, target, api_key, timeout, retries, backoff_s) -> None:  # type: ignore[no-untyped-def]
     """What `Client` and `AsyncClient` keep alike."""
     client.target, client.timeout, client.retries, client.backoff_s = target, timeout, retries, backoff_s
+    client.resumed = 0  # streams this client resumed after they broke mid-way
     client._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def _retryable(e: grpc.RpcError, started: bool, attempt: int, retries: int) -> bool:
-    """Only UNAVAILABLE before the first token is tried again: after it, a retry could repeat tokens."""
-    return e.code() is grpc.StatusCode.UNAVAILABLE and not started and attempt < retries
+def _retryable(e: grpc.RpcError, attempt: int, retries: int) -> bool:
+    """UNAVAILABLE (the router unreachable, or its connection reset) is tried again: from the
+    start before the first token, as a resumption after it (`_Received.request`)."""
+    return e.code() is grpc.StatusCode.UNAVAILABLE and attempt < retries
+
+
+class _Received:
+    """What a stream has delivered so far, to resume it through any router when it breaks."""
+
+    def __init__(self, request: api_pb2.GenerateRequest) -> None:
+        self.original, self.request_id, self.tokens, self.text = request, "", [], ""
+
+    def add(self, m: api_pb2.GenerateResponse) -> None:
+        self.request_id = self.request_id or m.request_id
+        self.tokens += m.token_ids
+        self.text += m.text
+
+    def request(self) -> api_pb2.GenerateRequest:
+        """The request to send (again): as it was, with `resume` once tokens have arrived."""
+        if not self.tokens:
+            return self.original
+        resumed = api_pb2.GenerateRequest()
+        resumed.CopyFrom(self.original)
+        resumed.resume.CopyFrom(api_pb2.Resume(request_id=self.request_id, token_ids=self.tokens, text=self.text))
+        return resumed
 
 
 def _credentials(tls_ca: str) -> grpc.ChannelCredentials:
@@ -209,7 +234,8 @@ class Client:
 
     `api_key` is sent as `authorization: Bearer <key>` metadata. `timeout` is the default
     deadline of each call in seconds; `retries` how many times a call that fails with
-    UNAVAILABLE before its first token is tried again, waiting `backoff_s`, then twice that, ...
+    UNAVAILABLE is tried again (resumed, once tokens have arrived), waiting `backoff_s`, then
+    twice that, ...
     `tls_ca` (a PEM file) makes the connection TLS, trusting that CA.
     """
 
@@ -278,20 +304,21 @@ class Client:
         self, request: api_pb2.GenerateRequest, timeout: float | None, metadata: dict[str, str]
     ) -> Iterator[api_pb2.GenerateResponse]:
         deadline = None if (timeout or self.timeout) is None else time.monotonic() + (timeout or self.timeout)  # type: ignore[operator]
+        received = _Received(request)
         for attempt in range(self.retries + 1):
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            call = self._stub.Generate(request, timeout=remaining, metadata=self._metadata)
-            started = False
+            call = self._stub.Generate(received.request(), timeout=remaining, metadata=self._metadata)
             try:
                 for m in call:
-                    if not started:
+                    if not metadata:
                         metadata.update({k: str(v) for k, v in call.initial_metadata()})
-                        started = True
+                    received.add(m)
                     yield m
                 return
             except grpc.RpcError as e:
-                if not _retryable(e, started, attempt, self.retries):
+                if not _retryable(e, attempt, self.retries):
                     raise _error(e) from None
+                self.resumed += bool(received.tokens)
             finally:
                 call.cancel()  # a no-op once the call is over; cancels it if the caller left early
             time.sleep(self.backoff_s * 2**attempt)
@@ -367,20 +394,21 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         limit = timeout or self.timeout
         deadline = None if limit is None else loop.time() + limit
+        received = _Received(request)
         for attempt in range(self.retries + 1):
             remaining = None if deadline is None else max(deadline - loop.time(), 0.001)
-            call = self._stub.Generate(request, timeout=remaining, metadata=self._metadata)
-            started = False
+            call = self._stub.Generate(received.request(), timeout=remaining, metadata=self._metadata)
             try:
                 async for m in call:
-                    if not started:
+                    if not metadata:
                         metadata.update({k: str(v) for k, v in (await call.initial_metadata())})
-                        started = True
+                    received.add(m)
                     yield m
                 return
             except grpc.RpcError as e:
-                if not _retryable(e, started, attempt, self.retries):
+                if not _retryable(e, attempt, self.retries):
                     raise _error(e) from None
+                self.resumed += bool(received.tokens)
             finally:
                 call.cancel()
             await asyncio.sleep(self.backoff_s * 2**attempt)

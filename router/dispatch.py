@@ -59,7 +59,8 @@ class Dispatcher:
         as if it had never moved. Raises `Abort` for the caller to end the call with."""
         s = self.settings
         try:
-            choice = await self.place(stream.prompt, params, wait_s=0)
+            resumed = stream.generated  # tokens the client had when its stream broke (none for most)
+            choice = await self.place(stream.prompt + resumed, rest_of(params, len(resumed)), wait_s=0)
         except NoCapacity as e:
             stream.status = "rejected"
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None

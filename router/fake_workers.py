@@ -9,6 +9,7 @@ each change (at most one per `min_interval_seconds`) and a heartbeat otherwise. 
 worker answers `Submit` with the first token after one step.
 
     python -m router.fake_workers --workers 256 --step-s 0.001     # prints {"name": "host:port"}
+    python -m router.fake_workers --router-over '{"decode-0": ...}' [--address 127.0.0.1:PORT]
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.fail_after = -1  # >= 0: the worker dies (`die`) once a Submit has sent this many messages
         self.dead = False
         self.submitted = 0  # Submit calls taken
+        self.resumed = 0  # of them, requests that came with output already generated (moved or resumed)
         self.address = ""
         self.server: grpc.aio.Server | None = None
         self._listeners: set[asyncio.Event] = set()  # one per open Watch call
@@ -115,6 +117,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Submit(self, request: worker_pb2.WorkerRequest, context) -> AsyncIterator[worker_pb2.WorkerTokens]:  # type: ignore[no-untyped-def,override]
         self.submitted += 1
+        self.resumed += bool(request.output_token_ids)
         self.running += 1
         self._notify()
         try:
@@ -225,12 +228,37 @@ async def _serve(args: argparse.Namespace) -> None:
         await w.stop()
 
 
+def serve_router(addresses: dict[str, str], address: str, max_queued_requests: int = 4096) -> None:
+    """A router process over fake workers: prints its address, serves until stdin closes."""
+    from cluster.config import TelemetryConfig
+    from cluster.telemetry import Telemetry
+    from router.pool import WorkerPool
+    from router.server import Router
+    from router.settings import RouterSettings
+    from router.validate import Limits
+
+    settings = RouterSettings(
+        model_name="fake", architecture="fake", limits=Limits(4096, VOCAB), block_size=16, eos_token_ids=(),
+        has_chat_template=False, dtype="none", max_queued_requests=max_queued_requests,
+    )  # fmt: skip
+    router = Router(settings, FakeTokenizer(), WorkerPool(lambda: addresses), Telemetry(TelemetryConfig(), "router"))
+    print(router.start(address), flush=True)
+    sys.stdin.read()
+    router.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=16, help="fake decode workers")
     parser.add_argument("--prefill-workers", type=int, default=0, help="fake prefill workers")
     parser.add_argument("--step-s", type=float, default=0.001, help="each worker's time per token")
-    asyncio.run(_serve(parser.parse_args(argv)))
+    parser.add_argument("--router-over", help="run a router instead, over these workers (JSON name -> address)")
+    parser.add_argument("--address", default="127.0.0.1:0", help="the router's address (a shared port: SO_REUSEPORT)")
+    args = parser.parse_args(argv)
+    if args.router_over:
+        serve_router(json.loads(args.router_over), args.address)
+    else:
+        asyncio.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ class Stream:
             cached = self.cached_tokens if self.cached_tokens is not None else msg.num_cached_tokens
             out.usage.CopyFrom(
                 api_pb2.Usage(
-                    prompt_tokens=len(self.prompt), completion_tokens=timing.output_tokens,
+                    prompt_tokens=len(self.prompt), completion_tokens=len(self.generated),
                     cached_prompt_tokens=cached,
                 )
             )  # fmt: skip
@@ -142,6 +142,11 @@ class Stream:
             self.speculation = msg.speculation if msg.HasField("speculation") else None
             self.status, self.finish_reason = "ok", msg.finish_reason
         return raw + out.SerializeToString()
+
+    def resumed(self, resume: api_pb2.Resume, decode: Callable[[list[int]], str]) -> None:
+        """A stream resumed through this router: the client has these tokens and this text already."""
+        self.generated, self.sent_text = list(resume.token_ids), resume.text
+        self.migrated(decode)
 
     def migrated(self, decode: Callable[[list[int]], str]) -> None:
         """The tokens streamed so far go to the next worker as output already generated: any of

@@ -169,6 +169,10 @@ class Router(worker_pb2_grpc.AdminServicer):
             self._in_flight += 1
             admitted = True
             stream = Stream(rid, prompt, received, self._targets(request))
+            if request.HasField("resume"):  # a stream whose router died: a migration with its tokens
+                stream.rid = request.resume.request_id
+                stream.resumed(request.resume, self.tokenizer.decode)
+                root.set_attribute("tandem.resumed_tokens", len(request.resume.token_ids))
             if request.return_prompt_text:
                 stream.prompt_text = self.tokenizer.decode(prompt)
             try:

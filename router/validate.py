@@ -52,7 +52,21 @@ def validate(
     if request.request_id and not _ID.fullmatch(request.request_id):
         raise InvalidRequest("request_id", "use letters, digits and - _ . : / only")
     prompt = _prompt(request, limits, tokenizer)
-    return prompt, _sampling(request.sampling, limits, len(prompt))
+    params = _sampling(request.sampling, limits, len(prompt))
+    if request.HasField("resume"):
+        _resume(request.resume, limits, params)
+    return prompt, params
+
+
+def _resume(resume: api_pb2.Resume, limits: Limits, params: SamplingParams) -> None:
+    if not _ID.fullmatch(resume.request_id) or len(resume.request_id) > limits.max_request_id_chars:
+        raise InvalidRequest("resume.request_id", "the broken stream's request id is required")
+    if any(t >= limits.vocab_size for t in resume.token_ids):
+        raise InvalidRequest("resume.token_ids", "a token id is outside the vocabulary")
+    if len(resume.token_ids) >= params.max_tokens:
+        raise InvalidRequest("resume.token_ids", f"as many as max_tokens ({params.max_tokens}): nothing to resume")
+    if params.num_beams > 1:
+        raise InvalidRequest("resume", "a beam search cannot be resumed")
 
 
 def _prompt(request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptTokenizer) -> list[int]:

@@ -126,3 +126,20 @@ def test_pool_rediscovers_on_demand_between_refreshes(boot_s):
         assert set(pool.workers()) == {"decode-0", "decode-1", "decode-2"}, "refresh_s later it asks again"
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("resume", "field"),
+    [
+        (api_pb2.Resume(token_ids=[1]), "resume.request_id"),
+        (api_pb2.Resume(request_id="r", token_ids=[500]), "resume.token_ids"),
+        (api_pb2.Resume(request_id="r", token_ids=[1, 2, 3]), "resume.token_ids"),
+    ],
+)
+def test_a_resume_needs_the_streams_id_and_tokens_that_leave_something_to_do(resume, field):
+    fields = dict(text="a", sampling=api_pb2.SamplingParams(max_tokens=3), resume=resume)
+    with pytest.raises(InvalidRequest) as e:
+        validate(request(**fields), LIMITS, Words())
+    assert e.value.field == field
+    ok = request(text="a", sampling=api_pb2.SamplingParams(max_tokens=3), resume=api_pb2.Resume(request_id="r"))
+    assert validate(ok, LIMITS, Words())[1].max_tokens == 3
