@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def test_the_wheel_builds_without_setuptools_warnings(tmp_path):
     # with the environment's own setuptools (pinned in constraints.txt), so no index is needed.
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "build")
-    for name in ("cluster", "router", "prefill_worker", "decode_worker", "proto"):
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {setuptools["package-dir"].get(p, p).split("/")[0] for p in setuptools["packages"] if "." not in p}
+    for name in sorted(folders):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
