@@ -126,7 +126,7 @@ def test_each_pool_scales_on_its_own_load_and_back_without_losing_a_request(clus
 
     decode_load = Load(address, clients=8, prompt_len=4, max_tokens=120, seed=1)  # long outputs, local prefill
     try:
-        wait_for(lambda: serving(handle)["decode"] == 2, 60, "the decode pool to grow")
+        wait_for(lambda: serving(handle)["decode"] == 2, 180, "the decode pool to grow")
         assert serving(handle)["prefill"] == 1, "decode pressure must not grow the prefill pool"
     finally:
         decode_load.stop()
@@ -137,7 +137,7 @@ def test_each_pool_scales_on_its_own_load_and_back_without_losing_a_request(clus
 
     prefill_load = Load(address, clients=8, prompt_len=500, max_tokens=1, seed=2)  # long prompts
     try:
-        wait_for(lambda: serving(handle)["prefill"] == 2, 60, "the prefill pool to grow")
+        wait_for(lambda: serving(handle)["prefill"] == 2, 180, "the prefill pool to grow")
     finally:
         prefill_load.stop()
     sent += prefill_load.done
@@ -158,7 +158,7 @@ def test_each_pool_scales_on_its_own_load_and_back_without_losing_a_request(clus
 def test_a_draining_worker_gets_no_new_requests_and_stops_only_when_empty(cluster):
     handle, address = cluster
     handle.scale("decode", 2)
-    wait_for(lambda: serving(handle)["decode"] == 2 and len(handle.discover()) == 3, 60, "two decode workers")
+    wait_for(lambda: serving(handle)["decode"] == 2 and len(handle.discover()) == 3, 180, "two decode workers")
     with Client(address, timeout=120) as client:
         stream = client.stream([9, 10, 11], max_tokens=400, temperature=0, ignore_eos=True)
         next(stream)
