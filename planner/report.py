@@ -83,6 +83,10 @@ class Recorder:
         self.result = _Partial()
         self._arrivals = 0
 
+    @property
+    def arrived(self) -> int:
+        return self._arrivals
+
     def arrive(self, rid: str, time: float, prompt_tokens: int) -> None:
         gaps: list[float] | None = [] if self._arrivals % self.itl_every == 0 else None
         self._arrivals += 1

@@ -176,6 +176,19 @@ def check_reachable(evaluator: Evaluator, base: Layout) -> None:
     )
 
 
+def idle_targets(
+    profile: Profile, workload: Workload, layouts: Iterable[Layout], ttft_x: float = 3, tpot_x: float = 2
+) -> Targets:
+    """SLOs relative to what this machine can do at all: `ttft_x` times the best TTFT p90 and
+    `tpot_x` times the best TPOT p90 of requests arriving one at a time onto idle `layouts`."""
+    ev = Evaluator(profile, workload, Targets(math.inf, math.inf), requests=60)
+    rate = 1e-3 * float(workload.rate or 1.0)
+    summaries = [ev.attained(layout, rate)[1] for layout in layouts]
+    ttft = min(s["ttft_p90_s"] for s in summaries)
+    tpot = min(s["tpot_p90_s"] or math.inf for s in summaries)
+    return Targets(ttft_x * ttft, tpot_x * tpot)
+
+
 def _advise(
     ev: Evaluator, base: Layout, workers: int, refine: int, progress: Callable[[str], None]
 ) -> Iterable[Candidate]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ from cluster.engine.request import Request, SamplingParams
 from planner.profile import Profile
 from planner.report import Recorder, SimResult
 from planner.routing import Placer
-from planner.workers import TOKEN, DecodeWorker, PrefillWorker
+from planner.workers import DecodeWorker, PrefillWorker
 from planner.workload import Arrival, Workload, arrivals
 from router.placement import NoCapacity
 
@@ -73,7 +72,6 @@ class Simulator:
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
         self.recorder = Recorder(profile.router, itl_every)
-        self.rng = random.Random(seed)
         self._costs = {
             "decode": profile.step_costs(layout.decode_threads),
             "prefill": profile.step_costs(layout.prefill_threads),
@@ -234,4 +232,4 @@ def simulate(profile: Profile, layout: Layout, workload: Workload, seed: int = 0
     return Simulator(profile, layout, seed).run(workload, seed)
 
 
-__all__ = ["TOKEN", "Layout", "SimResult", "Simulator", "simulate"]
+__all__ = ["Layout", "SimResult", "Simulator", "simulate"]

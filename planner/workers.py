@@ -22,7 +22,6 @@ it would have step by step. Tokens are stamped with their own step's end.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -160,8 +159,9 @@ class DecodeWorker(_Worker):
         k = self._run_length(plan)
         if k > 1:
             rows, context = len(plan.chunks), sum(c.start + 1 for c in plan.chunks)
-            step_s = self.costs.step_s
-            ends = list(itertools.accumulate(step_s(0.0, rows, context + i * rows, self.compiled) for i in range(k)))
+            first = self.costs.step_s(0.0, rows, context, self.compiled)
+            growth = self.costs.step_s(0.0, rows, context + rows, self.compiled) - first  # each step reads `rows` more
+            ends = [(i + 1) * first + growth * i * (i + 1) / 2 for i in range(k)]
             plan = self.scheduler.speculate(plan, {c.request.request_id: _DRAFTS[k - 1] for c in plan.chunks})
         else:
             ends = [plan_time(self.costs, plan, self.compiled)]
