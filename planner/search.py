@@ -11,6 +11,7 @@ advisor is checked against.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -58,6 +59,15 @@ def knobs_of(layout: Layout) -> dict[str, int]:
     }
 
 
+def layout_key(layout: Layout) -> tuple:
+    """Equal for equal layouts (pydantic configs built two ways compare unequal on the fields set)."""
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+    if not layout.prefill:  # a colocated layout has no prefill pool to configure
+        for name in ("local_prefill_max_tokens", "prefill_scheduler", "prefill_blocks", "prefill_threads", "transport"):
+            fields.pop(name)
+    return tuple((k, v.model_dump_json() if isinstance(v, SchedulerConfig) else v) for k, v in fields.items())
+
+
 def with_knob(layout: Layout, name: str, value: int) -> Layout:
     if name == "local_prefill_max_tokens":
         return replace(layout, local_prefill_max_tokens=value)
@@ -94,7 +104,7 @@ class Evaluator:
     seed: int = 0
     bisections: int = 5
     simulations: int = 0
-    _seen: dict[Layout, Candidate] = field(default_factory=dict)
+    _seen: dict[tuple, Candidate] = field(default_factory=dict)
 
     def attained(self, layout: Layout, rate: float) -> tuple[float, dict[str, Any]]:
         self.simulations += 1
@@ -103,9 +113,10 @@ class Evaluator:
         return summary["slo_attainment"], summary
 
     def goodput(self, layout: Layout) -> Candidate:
-        if layout not in self._seen:
-            self._seen[layout] = self._search(layout)
-        return self._seen[layout]
+        key = layout_key(layout)
+        if key not in self._seen:
+            self._seen[key] = self._search(layout)
+        return self._seen[key]
 
     def _search(self, layout: Layout) -> Candidate:
         rate = float(self.workload.rate or 1.0)
@@ -151,12 +162,13 @@ def plan(
     progress: Callable[[str], None] = lambda _: None,
 ) -> Plan:
     check_reachable(evaluator, base)
-    candidates = list(
+    tried = (
         _exhaustive(evaluator, base, workers, progress)
         if exhaustive
         else _advise(evaluator, base, workers, refine, progress)
     )
-    ranked = sorted(candidates, key=lambda c: (-c.goodput, c.layout.name))
+    candidates = {layout_key(c.layout): c for c in tried}  # a layout reached twice counts once
+    ranked = sorted(candidates.values(), key=lambda c: (-c.goodput, c.layout.name))
     return Plan(ranked, ranked[0], evaluator.simulations, exhaustive)
 
 
