@@ -168,6 +168,8 @@ def test_a_draining_worker_gets_no_new_requests_and_stops_only_when_empty(cluste
             if name.startswith("decode") and handle_load(handle, name).running_seqs
         )
         handle.drain(busy)
+        wait_for(lambda: handle_load(handle, busy).draining, 10, f"{busy} to drain")
+        time.sleep(0.5)  # the router's pushed view follows within its staleness bound (one heartbeat)
         placed = [client.generate([5, 6, 7], max_tokens=4, temperature=0).metadata["tandem-decode"] for _ in range(8)]
         assert busy not in placed, "the draining worker must get no new request"
         time.sleep(1.5)  # past the grace period: still running its sequence, so still up

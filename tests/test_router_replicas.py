@@ -114,16 +114,26 @@ def test_a_router_killed_mid_stream_loses_nothing_the_sdk_resumes_through_anothe
         expected, errors = run_all(address, {})
         RESUMED.clear()
         assert not errors and all(len(t) == 24 for t, _ in expected.values())
-        before = sum(w.resumed for w in fleet.workers.values())
-        progress: dict[str, int] = {}
-        killer = threading.Thread(target=kill_when_streaming, args=(first, progress))
-        killer.start()
-        results, errors = run_all(address, progress)
-        killer.join()
-        assert not errors, errors[:3]
-        assert results == expected, "every output equals its fault-free run, greedy and seeded"
-        resumed = sum(w.resumed for w in fleet.workers.values()) - before
-        assert resumed >= 1 and resumed == sum(RESUMED.values()), "streams through the killed router were resumed"
+        # The kernel spreads connections over the two routers as it likes: a run in which no stream
+        # happened to go through the killed router shows nothing, so it is tried again (a new first router
+        # on the same port) until one did.
+        for _ in range(5):
+            before = sum(w.resumed for w in fleet.workers.values())
+            RESUMED.clear()
+            progress: dict[str, int] = {}
+            killer = threading.Thread(target=kill_when_streaming, args=(first, progress))
+            killer.start()
+            results, errors = run_all(address, progress)
+            killer.join()
+            assert not errors, errors[:3]
+            assert results == expected, "every output equals its fault-free run, greedy and seeded"
+            resumed = sum(w.resumed for w in fleet.workers.values()) - before
+            assert resumed == sum(RESUMED.values())
+            if resumed:
+                break
+            first.wait(20)
+            first, _ = start_router(fleet.addresses(), address)
+        assert resumed >= 1, "streams through the killed router were resumed"
     finally:
         stop_all(first, second)
 
