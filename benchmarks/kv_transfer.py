@@ -42,7 +42,7 @@ from cluster.config import CacheConfig, SchedulerConfig, TransferConfig  # noqa:
 from cluster.engine.request import SamplingParams  # noqa: E402
 from cluster.kv.collective import CollectiveGroups  # noqa: E402
 from cluster.kv.grpc_transport import CollectiveSender, GrpcSender, serve  # noqa: E402
-from cluster.kv.transport import SendStream, TransferState  # noqa: E402
+from cluster.kv.transport import NullReceiver, SendStream, TransferState  # noqa: E402
 from cluster.kv.wire import KVHeader, make_chunk, model_fingerprint  # noqa: E402
 from cluster.model.builder import init_model_folder  # noqa: E402
 from cluster.model.loader import load_model  # noqa: E402
@@ -53,22 +53,6 @@ from prefill_worker.engine import PrefillEngine  # noqa: E402
 OUT = ROOT / "benchmarks" / "results"
 PRESET = "smollm-135m"
 MAX_PROMPT = 2048
-
-
-class Sink:
-    """A receiver that accepts everything: the transport alone is measured."""
-
-    def reserve(self, header):  # type: ignore[no-untyped-def]
-        return header
-
-    def write(self, transfer, chunk) -> None:  # type: ignore[no-untyped-def]
-        pass
-
-    def commit(self, transfer, first_token: int) -> int:  # type: ignore[no-untyped-def]
-        return 0
-
-    def fail(self, transfer, error) -> None:  # type: ignore[no-untyped-def]
-        pass
 
 
 class AdmitAndDrop:
@@ -131,7 +115,7 @@ def serve_receivers(threads: int) -> None:
     engine's intake; prints their ports as one JSON line, then serves until stdin closes."""
     torch.set_num_threads(threads)
     groups = CollectiveGroups("cpu", timeout_s=120)
-    sink_server, sink_port = serve(Sink(), groups=groups)
+    sink_server, sink_port = serve(NullReceiver(), groups=groups)
     drain = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_drain_forever, args=(drain,), daemon=True).start()
     with tempfile.TemporaryDirectory() as tmp:

@@ -163,11 +163,11 @@ def _fit_decode(points: list[list[float]], buckets: tuple[int, ...] = ()) -> Dec
 
 def _transfer(arch, dtype_bytes: int, per_token: int, quick: bool, bar: tqdm) -> tuple[dict, dict]:  # type: ignore[no-untyped-def]
     from cluster.kv.grpc_transport import GrpcSender, serve
-    from cluster.kv.transport import TransferState
+    from cluster.kv.transport import NullReceiver, TransferState
     from cluster.kv.wire import KVHeader, make_chunk
 
     dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
-    server, port = serve(_Sink())
+    server, port = serve(NullReceiver())
     sender = GrpcSender(f"127.0.0.1:{port}", timeout_s=120)
     raw: dict[str, list] = {"grpc": [], "local": []}
     try:
@@ -202,22 +202,6 @@ def _transfer(arch, dtype_bytes: int, per_token: int, quick: bool, bar: tqdm) ->
         base, per = fit_linear([[1.0, b] for b, _ in pts], [t for _, t in pts])
         fits[name] = LinearCost(base, per)
     return fits, raw
-
-
-class _Sink:
-    """A KV receiver that keeps nothing: the transport alone is timed."""
-
-    def reserve(self, header):  # type: ignore[no-untyped-def]
-        return header
-
-    def write(self, transfer, chunk) -> None:  # type: ignore[no-untyped-def]
-        pass
-
-    def commit(self, transfer, first_token: int) -> int:  # type: ignore[no-untyped-def]
-        return 0
-
-    def fail(self, transfer, error) -> None:  # type: ignore[no-untyped-def]
-        pass
 
 
 def _router(grpc_call_s: float, bar: tqdm) -> LinearCost:

@@ -143,6 +143,22 @@ class SendStream:
             self._finished.set()
 
 
+class NullReceiver:
+    """A receiver that accepts every transfer and keeps nothing, so a benchmark times the transport alone."""
+
+    def reserve(self, header):  # type: ignore[no-untyped-def]
+        return header
+
+    def write(self, transfer, chunk) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def commit(self, transfer, first_token: int) -> int:  # type: ignore[no-untyped-def]
+        return 0
+
+    def fail(self, transfer, error) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
 class LocalSender:
     """Prefill and decode in one process: chunks are handed to the receiver in memory."""
 
