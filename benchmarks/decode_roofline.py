@@ -282,6 +282,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--quant-only", action="store_true", help="the floors and the quantised settings only")
     parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: the random preset)")
+    parser.add_argument(
+        "--settings", default=None,
+        help="section 4's settings to run, comma-separated labels (default: all; bfloat16 always runs first)",
+    )  # fmt: skip
+    parser.add_argument("--batches", default=None, help="section 4's batch sizes, comma-separated (default: 1,16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = args.device
@@ -298,7 +303,9 @@ def main() -> None:
         results["runs"] += dtype_section(folder, dtype_name, device, batches, repeat, args.quick, results)
 
     if device == "cpu":
-        results["quantised"] = quantised(folder, [1, 4] if args.quick else [1, 16], repeat, kept)
+        quant_batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 4] if args.quick else [1, 16]
+        chosen = None if args.settings is None else {"bfloat16", *args.settings.split(",")}
+        results["quantised"] = quantised(folder, quant_batches, repeat, kept, chosen)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
@@ -342,9 +349,12 @@ QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
 )
 
 
-def quantised(folder: Path, batches: list[int], repeat: int, kept: Path | None = None) -> list[dict]:
+def quantised(
+    folder: Path, batches: list[int], repeat: int, kept: Path | None = None, chosen: set[str] | None = None
+) -> list[dict]:
     """Section 4: each setting's compiled decode step against the bfloat16 one, same run; `kept`: a
-    folder of int4 weights kept from a GGUF file's Q4 blocks, run as one more setting."""
+    folder of int4 weights kept from a GGUF file's Q4 blocks, run as one more setting; `chosen`:
+    the labels to run (None: all)."""
     from cluster.model.attention import kv_row_bytes
     from cluster.model.quant import weight_bytes
 
@@ -354,6 +364,11 @@ def quantised(folder: Path, batches: list[int], repeat: int, kept: Path | None =
     rows: list[dict] = []
     settings = [(label, weights, kv, folder) for label, weights, kv in QUANT_SETTINGS]
     settings += [("int4 kept (file's Q4)", "int4", "auto", kept)] if kept is not None else []
+    if chosen is not None:
+        unknown = chosen - {label for label, *_ in settings}
+        if unknown:
+            raise SystemExit(f"unknown settings {sorted(unknown)}; known: {[label for label, *_ in settings]}")
+        settings = [s for s in settings if s[0] in chosen]
     for label, weights, kv, source in settings:
         torch._dynamo.reset()  # each setting compiles its own graphs
         quantise = weights if source == folder else "auto"  # a kept folder loads as it was written

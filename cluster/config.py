@@ -301,6 +301,11 @@ class RouterConfig(_Part):
     migration_wait_s: float = Field(
         default=60.0, ge=0, description="How long a migrating request waits for a live worker (a restart, say)."
     )
+    first_token_from_prefill: bool = Field(
+        default=True,
+        description="Stream a remotely prefilled request's first token as the prefill worker samples it, "
+        "before its KV reaches the decode worker; false waits for the decode worker's first message.",
+    )
 
 
 class ClusterConfig(_Part):

@@ -31,13 +31,13 @@ import torch
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.compiled import CompiledDecode
+from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
 from cluster.engine.model_runner import ModelRunner, num_kv_blocks
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan
 from cluster.engine.sampler import Draft, Sampler, SampleRow, TokenLogprob
 from cluster.engine.speculative import DraftProposer, Proposer
 from cluster.model.causal_lm import CausalLM
 from decode_worker.beam import BeamGroups, BeamResult
-from decode_worker.detokenizer import Decoder, IncrementalDetokenizer
 from decode_worker.scheduler import Scheduler
 
 
@@ -172,8 +172,8 @@ class Engine:
             if request_id not in self._reserved:
                 raise KeyError(f"no reservation for request {request_id!r}")
             self._reserved.discard(request_id)
+            self._open_stream(request)  # before the first token joins the output: it is decoded as new text
             self.scheduler.admit(request, first_token)
-            self._open_stream(request)
             self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
 
     def add_request(

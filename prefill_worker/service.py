@@ -5,8 +5,9 @@ Lifecycle of a request here:
     Submit(decode_target)   the prompt is queued on the prefill engine, its KV bound for the decode
                             worker at `decode_target` over the configured transport
     engine loop thread      steps the engine while it has work and releases expired leases
-    the call answers        with the first token once the decode worker has admitted the sequence,
-                            or fails with the transfer's status code; a cancelled call aborts it
+    the call answers        with the first token as soon as it is sampled, then ends once the decode
+                            worker has admitted the sequence, or fails with the transfer's status
+                            code; a cancelled call aborts the request and its transfer
     Watch                   each router's stream of this worker's load (`watch_loads`)
 
 The engine is stepped by one thread; Submit and Abort reach it through the worker's lock.
@@ -124,6 +125,17 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             return  # the caller left; `_cancel` already aborted the request
         except Exception as e:
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}")
+        logprobs = []
+        if out.logprob is not None:
+            top = [api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in out.top_logprobs]
+            logprobs = [api_pb2.TokenLogprob(token_id=out.first_token, logprob=out.logprob, top=top)]
+        yield worker_pb2.WorkerTokens(  # at once: the router may stream it before the KV has landed
+            request_id=rid,
+            token_ids=[out.first_token],
+            logprobs=logprobs,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )
         state = out.transfer.wait(self.transfer.timeout_s + self.transfer.lease_s)
         self._observe(parent, out, submitted, step_start, step_end, time.time())
         if state is not TransferState.DONE:
@@ -131,17 +143,6 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             code, message = (error.code, error.message) if error else (grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
             context.abort(code, f"KV transfer to {request.decode_target}: {message}")
         done = True
-        logprobs = []
-        if out.logprob is not None:
-            top = [api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in out.top_logprobs]
-            logprobs = [api_pb2.TokenLogprob(token_id=out.first_token, logprob=out.logprob, top=top)]
-        yield worker_pb2.WorkerTokens(
-            request_id=rid,
-            token_ids=[out.first_token],
-            logprobs=logprobs,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-        )
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
         return worker_pb2.AbortResult(found=self._cancel(request.request_id))

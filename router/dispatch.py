@@ -3,7 +3,8 @@ workers from the pushed view, call them over `grpc.aio`, relay the decode worker
 they came (`Stream.response` appends what the router adds), and migrate when a worker fails.
 
     place      `LoadIndex.choose` (no RPC); NoCapacity waits up to `migration_wait_s` on a move
-    attempt    decode.Submit (the response stream), prefill.Submit beside it as a task
+    attempt    decode.Submit (the response stream), prefill.Submit beside it as a task; the
+               prefill worker's first token is streamed as it arrives (`router.first_token_from_prefill`)
     migrate    a migratable failure: the prompt and the tokens already streamed go to a live
                worker as output already generated, at most `migration_limit` times
 """
@@ -22,10 +23,20 @@ from opentelemetry import trace
 from tandem.v1 import worker_pb2
 
 from cluster.auth import mint_capability
+from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.telemetry import Telemetry
 from router.placement import Choice, NoCapacity
-from router.relay import Broken, Stream, describe, rest_of, trace_metadata, watch_prefill
+from router.relay import (
+    Broken,
+    Stream,
+    after_early_token,
+    describe,
+    early_first_token,
+    rest_of,
+    trace_metadata,
+    watch_prefill,
+)  # fmt: skip
 from router.settings import RouterSettings
 from router.validate import PromptTokenizer
 from router.view import WorkerView
@@ -86,8 +97,11 @@ class Dispatcher:
             tokens = (stream.prompt, generated)
             try:
                 rid = f"{worker_id}.{attempt}"
-                async for raw in self._attempt(rid, tokens, params, choice, context, metadata, stream):
+                async for raw, arrived, source in self._attempt(rid, tokens, params, choice, context, metadata, stream):
+                    first = not stream.chunks
                     yield stream.response(raw)
+                    if first:
+                        self._first_token_spans(trace_context, placed, arrived, source)
                 return
             except Broken as broken:
                 if not broken.migratable or attempt == s.migration_limit:
@@ -127,23 +141,25 @@ class Dispatcher:
         context: grpc.aio.ServicerContext,
         metadata: list[tuple[str, str]],
         stream: Stream,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[tuple[bytes, float, str]]:
         """One try on one pair of workers for `tokens` (the prompt, and the output already
-        generated): the decode worker's messages as they came, with the prefill call beside it.
-        Raises `Broken` when either fails; the caller decides whether to migrate. However it ends
-        (the client gone included), both worker calls are cancelled."""
+        generated): the messages for the client as (worker bytes, arrival, "prefill" or "decode"),
+        with the prefill call beside the decode worker's. Raises `Broken` when either fails; the
+        caller decides whether to migrate. However it ends (the client gone included), both worker
+        calls are cancelled."""
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
         decode_call, prefill_call = self._submit(worker_rid, tokens, params, choice, timeout, metadata)
         result: dict[str, object] = {}
-        watcher = None
+        watcher, first = None, None
         if prefill_call is not None:
-            watcher = asyncio.create_task(watch_prefill(prefill_call, decode_call, result))
+            first = asyncio.get_running_loop().create_future() if self.settings.first_token_from_prefill else None
+            watcher = asyncio.create_task(watch_prefill(prefill_call, decode_call, result, first))
         try:
-            async for raw in decode_call:
+            async for raw, arrived, source in self._relay(decode_call, first, tokens, params):
                 if "cached" in result:
                     stream.cached_tokens = result["cached"]  # type: ignore[assignment]
-                yield raw
+                yield raw, arrived, source
         except asyncio.CancelledError:
             failed = result.get("error")
             task = asyncio.current_task()
@@ -164,6 +180,49 @@ class Dispatcher:
             decode_call.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
+
+    async def _relay(
+        self, decode_call, first: asyncio.Future | None, tokens: tuple[list[int], list[int]], params: SamplingParams
+    ) -> AsyncIterator[tuple[bytes, float, str]]:  # type: ignore[no-untyped-def]
+        """The decode worker's messages as they came. With `first` (remote prefill), the prefill
+        worker's first token goes out as soon as it arrives, if it comes before the decode worker's
+        first message (which waits for the KV transfer and the admission); that message then goes
+        out without it."""
+        messages = decode_call.__aiter__()
+        if first is not None:
+            head = asyncio.ensure_future(anext(messages))
+            try:
+                await asyncio.wait((head, first), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not head.done() and not first.done():
+                    head.cancel()  # the client left while both waited
+            if first.done() and not head.done():
+                msg, arrived = first.result()
+                token = msg.token_ids[0]
+                prompt, output = tokens
+                text = IncrementalDetokenizer(self.tokenizer, [*prompt, *output], params.stop).add(token)
+                yield early_first_token(msg, text), arrived, "prefill"
+                raw = await head
+                try:
+                    rest = after_early_token(raw, token, text)
+                except ValueError as e:
+                    raise Broken(grpc.StatusCode.INTERNAL, str(e), "decode", "") from None
+                if rest is not None:
+                    yield rest, time.time(), "decode"
+            else:
+                yield await head, time.time(), "decode"
+        async for raw in messages:
+            yield raw, time.time(), "decode"
+
+    def _first_token_spans(
+        self, trace_context: otel_context.Context, placed: float, arrived: float, source: str
+    ) -> None:
+        """TTFT's parts after `router.queue`: `router.prefill` (placement to the first token's
+        arrival at the router: the prefill, and for a decode worker's token the KV transfer and
+        admission) and `router.relay` (its arrival to its sending)."""
+        sent = time.time()
+        self.telemetry.record("router.prefill", trace_context, placed, arrived, tandem__first_token_from=source)
+        self.telemetry.record("router.relay", trace_context, arrived, sent)
 
     def _submit(
         self,

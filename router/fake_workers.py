@@ -6,7 +6,8 @@ A fake decode worker streams `max_tokens` tokens, one per `step_s` (the first af
 token `i` of a request is a pure function of its prompt and `i`, so a migrated or resumed request
 continues exactly as it would have. Its load is its running streams; `Watch` pushes a snapshot on
 each change (at most one per `min_interval_seconds`) and a heartbeat otherwise. A fake prefill
-worker answers `Submit` with the first token after one step.
+worker answers `Submit` with the first token after one step and ends after another (its KV
+transfer); a fake decode worker with `remote_prefill` streams from that first token on.
 
     python -m router.fake_workers --workers 256 --step-s 0.001     # prints {"name": "host:port"}
     python -m router.fake_workers --router-over '{"decode-0": ...}' [--address 127.0.0.1:PORT]
@@ -126,6 +127,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await asyncio.sleep(self.step_s)
                 await self._maybe_die(0, context)
                 yield worker_pb2.WorkerTokens(request_id=request.request_id, token_ids=[fake_token(prompt, done)])
+                await asyncio.sleep(self.step_s)  # the KV transfer: the call ends once it landed
                 return
             max_tokens = request.sampling.max_tokens or 16
             if request.remote_prefill:

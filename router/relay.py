@@ -82,16 +82,45 @@ def rest_of(params: SamplingParams, streamed: int) -> SamplingParams:
     )
 
 
-async def watch_prefill(prefill_call, decode_call, result: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
-    """Consumes the prefill call; if it fails, the request fails with its error."""
+async def watch_prefill(prefill_call, decode_call, result: dict[str, object], first=None) -> None:  # type: ignore[no-untyped-def]
+    """Consumes the prefill call: its first token goes to `first` (a future) as it arrives, with
+    its arrival time; if the call fails, the request fails with its error."""
     try:
         async for msg in prefill_call:
             result["cached"] = msg.num_cached_tokens
+            if first is not None and not first.done():
+                first.set_result((msg, time.time()))
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.CANCELLED and result.get("cancelled"):
             return  # the router cancelled it itself
         result["error"] = e
         decode_call.cancel()
+
+
+def early_first_token(msg: worker_pb2.WorkerTokens, text: str) -> bytes:
+    """The prefill worker's first token as a decode worker's message would carry it, with `text`,
+    what the decode worker's detokenizer will release for it."""
+    early = worker_pb2.WorkerTokens(request_id=msg.request_id, text=text, token_ids=msg.token_ids)
+    early.logprobs.extend(msg.logprobs)
+    return early.SerializeToString()
+
+
+def after_early_token(raw: bytes, token: int, text: str) -> bytes | None:
+    """The decode worker's first message without the first token (`token`, streamed early with
+    `text`): the rest of its tokens, logprobs and text, or None if nothing is left to send.
+    Raises ValueError if the decode worker's first token is not `token`."""
+    msg = worker_pb2.WorkerTokens.FromString(raw)
+    if not msg.token_ids or msg.token_ids[0] != token:
+        raise ValueError(f"the decode worker began with {list(msg.token_ids[:1])}, the prefill worker with [{token}]")
+    rest = worker_pb2.WorkerTokens()
+    rest.CopyFrom(msg)
+    del rest.token_ids[:1]
+    if rest.logprobs:
+        del rest.logprobs[:1]
+    rest.text = msg.text[len(text) :] if msg.text.startswith(text) else msg.text
+    if not (rest.token_ids or rest.text or rest.finish_reason):
+        return None
+    return rest.SerializeToString()
 
 
 @dataclass
@@ -121,7 +150,8 @@ class Stream:
         text, when asked for), held-back text after a migration, the last one's usage and SLO."""
         msg = worker_pb2.WorkerTokens.FromString(raw)
         first = not self.chunks
-        self.chunks.append((time.time(), len(msg.token_ids)))
+        if msg.token_ids or first:
+            self.chunks.append((time.time(), len(msg.token_ids)))
         self.generated += msg.token_ids
         self.sent_text += self.carry + msg.text
         out = api_pb2.GenerateResponse(request_id=self.rid)

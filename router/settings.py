@@ -32,6 +32,7 @@ class RouterSettings:
     metrics_port: int = 0
     watch_heartbeat_s: float = 0.5  # a worker's Watch stream sends at least this often
     watch_stale_after_s: float = 2.0  # a worker silent this long takes no new request
+    first_token_from_prefill: bool = True  # stream the prefill worker's first token at once
 
 
 class PoolAdmin(Protocol):
@@ -62,4 +63,5 @@ def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Toke
         capability_ttl_s=config.auth.capability_ttl_s,
         migration_limit=r.migration_limit,
         migration_wait_s=r.migration_wait_s,
+        first_token_from_prefill=r.first_token_from_prefill,
     )

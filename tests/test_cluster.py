@@ -418,6 +418,8 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(ray_instance,
         wanted = {
             "router.generate",
             "router.queue",
+            "router.prefill",
+            "router.relay",
             "prefill.queue",
             "prefill.compute",
             "kv.transfer",
@@ -452,4 +454,8 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(ray_instance,
     assert transfer["tandem.kv.transport"] == "grpc"
     assert root["attributes"]["gen_ai.usage.output_tokens"] == 5
     assert root["attributes"]["tandem.prefill_mode"] == "remote"
+    # TTFT in three parts, end to end: queued at the router, prefilled, relayed to the client
+    parts = [by_name[n] for n in ("router.queue", "router.prefill", "router.relay")]
+    assert all(a["end_time"] <= b["start_time"] for a, b in zip(parts, parts[1:], strict=False))
+    assert by_name["router.prefill"]["attributes"]["tandem.first_token_from"] in ("prefill", "decode")
     assert root["attributes"]["gen_ai.request.model"] == "tandem-demo-code"

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import SamplingParams
 from cluster.engine.sampler import Draft, Sampler, SampleRow, exponential_noise, noise, noise_key
 from cluster.model.builder import train_tokenizer
-from decode_worker.detokenizer import IncrementalDetokenizer
 
 V = 8
 
