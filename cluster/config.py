@@ -279,6 +279,12 @@ class AuthConfig(_Part):
 class RouterConfig(_Part):
     host: str = Field(default="127.0.0.1", description="Address the public gRPC server binds.")
     port: int = Field(default=50051, ge=0, le=65535, description="Public gRPC port (0 picks a free one).")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="Router processes `tandem serve` runs on host:port (its own and replicas - 1 `tandem router` "
+        "processes sharing the port); each admits and keeps its SLO window on its own.",
+    )
     http_port: int | None = Field(
         default=None,
         ge=0,

@@ -2,10 +2,13 @@
 
 tandem serve [--config FILE] [--model DIR] [--prompt TEXT]
                                               start the cluster on Ray (a local one by default) and
-                                              its router; with --prompt, answer it through the
-                                              client SDK and shut down (unless --keep-serving);
-                                              no config: every default, on the bundled demo model
-                                              or on --model
+                                              its router (and router.replicas - 1 more on its port);
+                                              with --prompt, answer it through the client SDK and
+                                              shut down (unless --keep-serving); no config: every
+                                              default, on the bundled demo model or on --model
+tandem control [--config FILE]                start the cluster on Ray and hold it, no router
+tandem router [--config FILE] [--port P] [--ray-address ADDR]
+                                              one more router on a running cluster (stateless)
 tandem generate PROMPT [--target HOST:PORT]   stream a completion from a running cluster
 tandem generate --model DIR --prompt TEXT     complete a prompt in this process, no cluster
 tandem status [--target HOST:PORT]            pools, workers, KV use, queues, placement counters
@@ -37,6 +40,7 @@ from cluster.config import ConfigError, serve_config
 from cluster.model.arch import ModelFormatError
 from planner.cli import add_commands as add_planner_commands
 from router.client import Client, TandemError
+from router.replicas import ReplicaFailed
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -48,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ModelFormatError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
-    except TandemError as e:
+    except (TandemError, ReplicaFailed, TimeoutError) as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 1
 
@@ -69,6 +73,25 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--keep-serving", action="store_true", help="with --prompt: keep serving afterwards")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
     serve.set_defaults(run=_serve)
+
+    control = commands.add_parser("control", help="start the cluster's registry and pools and hold them (no router)")
+    control.add_argument("--config", default=None, help="cluster config (YAML or JSON; default: every default)")
+    control.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
+    control.set_defaults(run=_control)
+
+    router = commands.add_parser("router", help="serve one more router on a running cluster")
+    router.add_argument("--config", default=None, help="cluster config (YAML or JSON; default: every default)")
+    router.add_argument("--port", type=int, default=None, help="router port (default: router.port in the config)")
+    router.add_argument(
+        "--ray-address", default=None, help="Ray cluster to join (default: ray_address in the config, else auto)"
+    )
+    router.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the cluster's registry, pools and first worker (default: 600)",
+    )
+    router.set_defaults(run=_router)
 
     gen = commands.add_parser("generate", help="stream a completion from a running cluster (or --model: locally)")
     gen.add_argument("text", nargs="?", help="the prompt")
@@ -113,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.pools import ray_cluster
+    from router.replicas import Replicas
     from router.server import from_config
 
     config = serve_config(args.config, args.model)
@@ -120,11 +144,11 @@ def _serve(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
-    router, http = None, None
+    router, http, replicas = None, None, None
     try:
         router = from_config(config, cluster.discover, cluster)
         address = router.start(f"{config.router.host}:{port}")
-        cluster.set_router(address)
+        router.join(cluster)
         http = _start_http(config, router, address)
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
@@ -136,14 +160,62 @@ def _serve(args: argparse.Namespace) -> int:
             _stream(address, prompt, api_key=key, tls_ca=ca, max_tokens=args.max_tokens, temperature=0.0)
             if not args.keep_serving:
                 return 0
-        stop = threading.Event()
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        print("serving; Ctrl-C or SIGTERM stops (requests in flight finish first)", file=sys.stderr, flush=True)
+        stop = _stop_on_signals()  # before the replicas start: a SIGTERM meanwhile stops them too
+        if config.router.replicas > 1:  # on the port this router bound, which port 0 chose
+            bound = int(address.rsplit(":", 1)[1])
+            replicas = Replicas.start(config, bound, cluster.address(), config.router.replicas - 1)
+            print("\n".join(replicas.lines), file=sys.stderr)
+        _serve_until_stopped(router, config, stop, replicas.terminate if replicas else None)
+        return 0
+    finally:
+        if replicas is not None:
+            replicas.stop(config.router.shutdown_timeout_s + 30)
+        if http is not None:
+            http.stop()
+        if router is not None:
+            router.stop()
+        cluster.shutdown()
+        print("stopped", file=sys.stderr)
+
+
+def _control(args: argparse.Namespace) -> int:
+    """The cluster without a router: routers join it with `tandem router` (the Helm chart's controller)."""
+    from cluster.pools import ray_cluster
+
+    config = serve_config(args.config)
+    print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
+    cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
+    try:
+        stop = _stop_on_signals()
+        workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
+        where = f"Ray at {cluster.address()}, namespace {cluster.namespace}"
+        print(f"pools up ({where}); workers: {workers}; routers join with `tandem router`", file=sys.stderr, flush=True)
         stop.wait()
-        print("draining ...", file=sys.stderr, flush=True)
-        if not router.drain(config.router.shutdown_timeout_s):
-            print(f"{router.in_flight} requests still running after the timeout; stopping", file=sys.stderr)
+        return 0
+    finally:
+        cluster.shutdown()
+        print("stopped", file=sys.stderr)
+
+
+def _router(args: argparse.Namespace) -> int:
+    """A stateless router: it attaches to the cluster's actors, and leaves them running when it stops."""
+    from cluster.pools import ray_cluster
+    from router.server import from_config
+
+    config = serve_config(args.config)
+    port = args.port if args.port is not None else config.router.port
+    deadline = time.monotonic() + args.timeout
+    cluster = ray_cluster.attach(config, address=args.ray_address, timeout_s=args.timeout)
+    router, http = None, None
+    try:
+        _wait_for_workers(cluster.discover, deadline)
+        router = from_config(config, cluster.discover, cluster)
+        address = router.start(f"{config.router.host}:{port}")
+        name = router.join(cluster)
+        http = _start_http(config, router, address)
+        stop = _stop_on_signals()  # before the line below: `tandem serve` may send SIGTERM once it reads it
+        print(f"router {name} at {address}", flush=True)
+        _serve_until_stopped(router, config, stop)
         return 0
     finally:
         if http is not None:
@@ -151,7 +223,35 @@ def _serve(args: argparse.Namespace) -> int:
         if router is not None:
             router.stop()
         cluster.shutdown()
-        print("stopped", file=sys.stderr)
+
+
+def _wait_for_workers(discover, deadline: float) -> None:  # type: ignore[no-untyped-def]
+    """Returns once the registry lists a worker: a router serving before the pools have one
+    would refuse every request it got."""
+    while not discover():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the cluster's pools have registered no worker yet; is `tandem control` starting them?")
+        time.sleep(0.5)
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets."""
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
+def _serve_until_stopped(router, config, stop: threading.Event, on_stop=None) -> None:  # type: ignore[no-untyped-def]
+    """Serves until `stop` is set, then drains: new requests get UNAVAILABLE, those in flight run
+    to their end (up to router.shutdown_timeout_s). `on_stop` runs first (the replicas' SIGTERM)."""
+    print("serving; Ctrl-C or SIGTERM stops (requests in flight finish first)", file=sys.stderr, flush=True)
+    stop.wait()
+    print("draining ...", file=sys.stderr, flush=True)
+    if on_stop is not None:
+        on_stop()
+    if not router.drain(config.router.shutdown_timeout_s):
+        print(f"{router.in_flight} requests still running after the timeout; stopping", file=sys.stderr)
 
 
 def _start_http(config, router, address):  # type: ignore[no-untyped-def]
@@ -245,9 +345,9 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     finally:
         channel.close()
-    slo = f"{status.slo_attainment:.0%}" if status.HasField("slo_attainment") else "no requests yet"
-    print(f"model {status.model}, {status.requests_in_flight} requests in flight, SLO attainment {slo}")
-    print(f"router metrics: http://{status.metrics_address}/metrics")
+    routers = "router" if len(status.routers) == 1 else "routers"
+    print(f"model {status.model}, {status.requests_in_flight} requests in flight over {len(status.routers)} {routers}")
+    _print_routers(status.routers)
     print(
         f"{'worker':<12}{'role':<9}{'address':<22}{'health':<8}{'running':>8}{'waiting':>8}"
         f"{'queued tok':>11}{'KV used':>14}  metrics"
@@ -273,6 +373,26 @@ def _status(args: argparse.Namespace) -> int:
             f"(up {pool.scale_ups}, down {pool.scale_downs})"
         )
     return 0
+
+
+def _print_routers(routers) -> None:  # type: ignore[no-untyped-def]
+    """One line per live router: its requests in flight, its SLO window's attainment and p90
+    latencies, how old its report is, and its Prometheus endpoint."""
+    width = max(len("router"), *(len(r.name) for r in routers)) + 2
+
+    def seconds(r, field: str) -> str:  # type: ignore[no-untyped-def]
+        return f"{getattr(r, field):.3f}s" if r.HasField(field) else "-"
+
+    print(
+        f"{'router':<{width}}{'address':<22}{'in flight':>10}{'SLO':>6}{'TTFT p90':>10}{'TPOT p90':>10}"
+        f"{'report':>8}  metrics"
+    )
+    for r in routers:
+        slo = f"{r.slo_attainment:.0%}" if r.HasField("slo_attainment") else "-"
+        print(
+            f"{r.name:<{width}}{r.address:<22}{r.requests_in_flight:>10}{slo:>6}{seconds(r, 'ttft_p90_seconds'):>10}"
+            f"{seconds(r, 'tpot_p90_seconds'):>10}{r.age_seconds:>7.1f}s  http://{r.metrics_address}/metrics"
+        )
 
 
 if __name__ == "__main__":

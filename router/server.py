@@ -17,6 +17,10 @@ Lifecycle of a request:
                   it and its failure fails the request with its code
     end           client cancellation or deadline cancels both worker calls, which abort the
                   request and free its KV on each worker
+
+A router started with `start` may `join` the cluster's registry (`router.fleet`): then it reports
+its counters there and its `Admin.GetStatus` shows every live router, with the in-flight requests
+and placement decisions summed over them; `stop` leaves.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
 from router.aio_server import AioServer, start_aio_server
 from router.dispatch import Abort, Dispatcher
+from router.fleet import Fleet, RouterRegistry, advertised, router_name, totals
 from router.pool import WorkerPool
 from router.relay import Malformed, Stream, account, parse
 from router.settings import PoolAdmin, RouterSettings, settings_from_config
@@ -71,6 +76,9 @@ class Router(worker_pb2_grpc.AdminServicer):
         self._in_flight = 0  # touched on the loop only
         self._draining = False
         self.server: AioServer | None = None
+        self.name = router_name()
+        self.address = ""  # as other routers' status shows it, once started
+        self.fleet: Fleet | None = None
 
     def start(self, address: str = "127.0.0.1:0") -> str:
         self.view.start()
@@ -81,8 +89,16 @@ class Router(worker_pb2_grpc.AdminServicer):
             return ["tandem.v1.Tandem", "tandem.v1.Admin"]
 
         self.server = self.loop.run(start_aio_server(add, address, self.interceptor, self.credentials))
+        self.address = advertised(address, self.server.port)
         self.telemetry.metrics.serve(self.settings.metrics_port)
         return self.server.address
+
+    def join(self, registry: RouterRegistry) -> str:
+        """Registers this started router among the cluster's routers and reports its status about
+        once a second, so that every router's `GetStatus` lists it; `stop` leaves. Returns its name."""
+        self.fleet = Fleet(registry, self.name, self.address, self._own_status)
+        self.loop.run(self.fleet.join())
+        return self.name
 
     @property
     def decisions(self):  # type: ignore[no-untyped-def]
@@ -106,6 +122,8 @@ class Router(worker_pb2_grpc.AdminServicer):
         return self._in_flight == 0
 
     def stop(self) -> None:
+        if self.fleet is not None:
+            self.loop.run(self.fleet.leave())
         if self.server is not None:
             self.loop.run(self.server.stop(None))
         self.view.stop()
@@ -215,7 +233,9 @@ class Router(worker_pb2_grpc.AdminServicer):
         workers = await asyncio.to_thread(self.pool.workers)
         loads = await self._loads(sorted(workers))
         pools = await asyncio.to_thread(self.pools.pool_status) if self.pools is not None else []
-        ttft, tpot = self.slo.latency()
+        own = self._own_status()
+        routers = await self.fleet.routers(own) if self.fleet is not None else [own]
+        in_flight, decisions = totals(routers)
         status = worker_pb2.ClusterStatus(
             pools=pools,
             model=self.settings.model_name,
@@ -223,18 +243,31 @@ class Router(worker_pb2_grpc.AdminServicer):
                 worker_pb2.WorkerStatus(name=n, address=w.address, healthy=n in loads, load=loads.get(n))
                 for n, w in sorted(workers.items())
             ],
-            decisions=dict(self.decisions),
-            requests_in_flight=self._in_flight,
-            slo_attainment=self.slo.attainment(),
-            metrics_address=self.telemetry.metrics.address or "",
+            decisions=decisions,
+            requests_in_flight=in_flight,
+            metrics_address=own.metrics_address,
+            routers=routers,
         )
-        if ttft is not None:
-            status.ttft_p90_seconds = ttft
-        if tpot is not None:
-            status.tpot_p90_seconds = tpot
+        for field in ("slo_attainment", "ttft_p90_seconds", "tpot_p90_seconds"):
+            if own.HasField(field):
+                setattr(status, field, getattr(own, field))
         return status
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _own_status(self) -> worker_pb2.RouterStatus:
+        """This router's counters as they are (called on the loop, where they change)."""
+        ttft, tpot = self.slo.latency()
+        return worker_pb2.RouterStatus(
+            name=self.name,
+            address=self.address,
+            metrics_address=self.telemetry.metrics.address or "",
+            requests_in_flight=self._in_flight,
+            decisions=dict(self.decisions),
+            slo_attainment=self.slo.attainment(),
+            ttft_p90_seconds=ttft,
+            tpot_p90_seconds=tpot,
+        )
 
     async def _loads(self, names: list[str]) -> dict[str, worker_pb2.WorkerLoad]:
         """Each watched worker's load asked now (`GetLoad`, for `tandem status`); unreachable ones are left out."""

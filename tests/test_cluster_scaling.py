@@ -54,7 +54,7 @@ def cluster():
     handle = ray_cluster.start(cfg, namespace="tandem-scaling")
     router = from_config(cfg, handle.discover, handle)
     address = router.start()
-    handle.set_router(address)
+    router.join(handle)  # its reports give the pools their latency signals
     yield handle, address
     router.stop()
     handle.shutdown()

@@ -100,6 +100,10 @@ def router(objects: dict) -> dict:
     return objects[("Deployment", f"{RELEASE}-router")]
 
 
+def controller(objects: dict) -> dict:
+    return objects[("Deployment", f"{RELEASE}-controller")]
+
+
 def container(pod_spec: dict, name: str) -> dict:
     (c,) = [c for c in pod_spec["containers"] if c["name"] == name]
     return c
@@ -210,7 +214,9 @@ def test_default_render(render, tmp_path):
     assert sorted(objects) == [
         ("ConfigMap", f"{RELEASE}-config"),
         ("ConfigMap", f"{RELEASE}-scripts"),
+        ("Deployment", f"{RELEASE}-controller"),
         ("Deployment", f"{RELEASE}-router"),
+        ("PodDisruptionBudget", f"{RELEASE}-router"),
         ("RayCluster", RELEASE),
         ("Secret", f"{RELEASE}-auth"),
         ("Service", f"{RELEASE}-router"),
@@ -231,12 +237,29 @@ def test_default_render(render, tmp_path):
         assert [c["name"] for c in g["template"]["spec"]["initContainers"]] == ["check-model"]
 
     pod = router(objects)["spec"]["template"]["spec"]
-    assert router(objects)["spec"]["replicas"] == 1 and router(objects)["spec"]["strategy"]["type"] == "Recreate"
+    spec = router(objects)["spec"]
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, "an upgrade keeps every router serving"
     main = container(pod, "router")
-    assert main["command"] == ["tandem", "serve", "--config", "/run/tandem/config.json"]
+    assert main["command"] == ["tandem", "router", "--config", "/run/tandem/config.json", "--timeout", "600"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert main[probe]["grpc"] == {"port": 50051}, probe
     assert main["startupProbe"]["failureThreshold"] * main["startupProbe"]["periodSeconds"] >= 600
+    budget = objects[("PodDisruptionBudget", f"{RELEASE}-router")]["spec"]
+    assert budget["minAvailable"] == 1
+    assert budget["selector"]["matchLabels"].items() <= pod_labels(router(objects)).items()
+
+    # The controller owns the registry and the pools: one pod, replaced (never two at once).
+    owner = controller(objects)["spec"]
+    assert owner["replicas"] == 1 and owner["strategy"] == {"type": "Recreate"}
+    owner_pod = owner["template"]["spec"]
+    assert container(owner_pod, "controller")["command"] == ["tandem", "control", "--config", "/run/tandem/config.json"]
+    assert [c["name"] for c in owner_pod["initContainers"]] == [c["name"] for c in pod["initContainers"]]
+    assert owner_pod["volumes"] == pod["volumes"]
+    selector = objects[("Service", f"{RELEASE}-router")]["spec"]["selector"]
+    assert not selector.items() <= pod_labels(controller(objects)).items(), "the Service sends no request there"
+    checksums = [d["spec"]["template"]["metadata"]["annotations"] for d in (controller(objects), router(objects))]
+    assert checksums[0] == checksums[1], "a new config restarts both"
     assert pod["terminationGracePeriodSeconds"] > cluster_config(objects, tmp_path).router.shutdown_timeout_s
     service = objects[("Service", f"{RELEASE}-router")]
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051, "metrics": 9090}
@@ -365,6 +388,12 @@ def test_existing_secrets_tls_http_and_monitoring(render, tmp_path):
     assert ports == {"grpc", "http", "metrics"}
 
 
+def test_one_router_has_no_disruption_budget(render):
+    objects = render({"router": {"replicas": 1}})
+    assert router(objects)["spec"]["replicas"] == 1
+    assert of_kind(objects, "PodDisruptionBudget") == [], "a budget of one router would block every node drain"
+
+
 def test_secret_from_values(render):
     objects = render({"auth": {"apiKeys": ["key-one", "key-two"], "clusterSecret": "s3cret"}})
     data = objects[("Secret", f"{RELEASE}-auth")]["data"]
@@ -378,6 +407,7 @@ def test_secret_from_values(render):
     [
         ({"prefill": {"replicas": "two"}}, "at '/prefill/replicas': got string, want integer"),
         ({"router": {"port": "50051"}}, "at '/router/port': got string, want integer"),
+        ({"router": {"replicas": 0}}, "at '/router/replicas': minimum: got 0, want 1"),
         ({"bogus": 1}, "additional properties 'bogus' not allowed"),
         ({"decode": {"resoures": {}}}, "additional properties 'resoures' not allowed"),
         ({"decode": {"resources": {"cpu": "two"}}}, "/decode/resources/cpu"),
@@ -456,7 +486,7 @@ def test_router_config_composed_from_the_secret(render, pod_helper, tmp_path):
     ]
     assert pod_helper.main(args) == 0
     assert (tmp_path / "run" / "c.json").stat().st_mode & 0o777 == 0o600
-    config = load_config(tmp_path / "run" / "c.json")  # what the router's `tandem serve` reads
+    config = load_config(tmp_path / "run" / "c.json")  # what `tandem router` and `tandem control` read
     assert [k.get_secret_value() for k in config.auth.api_keys] == ["key-one", "key-two"]
     assert config.auth.cluster_secret.get_secret_value() == decode(
         objects[("Secret", f"{RELEASE}-auth")]["data"]["cluster-secret"]

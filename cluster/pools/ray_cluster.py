@@ -4,7 +4,8 @@ Lifecycle of a cluster (`start(config)` -> `RayCluster`):
 
     connect     join the Ray cluster at `config.ray_address`, or start a local one (the embedded
                 default), in the `tandem` namespace
-    registry    one actor, `controller`, holding the worker registry the router reads
+    registry    one actor, `controller` (`cluster.pools.registry.Registry`): the workers' and
+                routers' addresses, and each live router's latest status report
     pools       one `PoolActor` per pool (`pool-prefill`, `pool-decode`) running that pool's
                 `cluster.pools.controller.PoolController`: it starts the pool's workers, then every
                 `autoscaling.interval_s` reads their load, decides, starts or drains workers
@@ -15,6 +16,9 @@ Lifecycle of a cluster (`start(config)` -> `RayCluster`):
                 right group. Each builds its worker, serves gRPC and registers its address.
     restart     Ray restarts a worker actor that dies; it registers its new address again
     shutdown    stop the pools (and their workers), the registry, and a local Ray
+
+Any number of router processes join a running cluster with `attach(config)`: it finds the named
+registry and pools and creates nothing, so its `shutdown` leaves them running.
 
 Worker code is loaded by module name (`ROLES`): `cluster` does not import the worker packages,
 the actors run them.
@@ -31,36 +35,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import ray
 from ray.util.metrics import Counter, Gauge
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import worker_pb2
 
-from cluster import tls
-from cluster.auth import api_keys
 from cluster.config import ClusterConfig, dump_config
 from cluster.pools.controller import PoolController
+from cluster.pools.registry import ROUTER, Registry, fleet_latency
 
 NAMESPACE = "tandem"
 CONTROLLER = "controller"
 ROLES = {"prefill": "prefill_worker.service", "decode": "decode_worker.service"}
-
-
-@ray.remote(num_cpus=0)
-class Controller:
-    """The worker registry: name -> (role, gRPC address)."""
-
-    def __init__(self) -> None:
-        self._workers: dict[str, tuple[str, str]] = {}
-
-    def register(self, name: str, role: str, address: str) -> None:
-        self._workers[name] = (role, address)
-
-    def unregister(self, name: str) -> None:
-        self._workers.pop(name, None)
-
-    def workers(self) -> dict[str, tuple[str, str]]:
-        return dict(self._workers)
+POOLS = ("decode", "prefill")
+# The registry: the workers' and routers' addresses and the routers' status reports.
+Controller = ray.remote(num_cpus=0)(Registry)
 
 
 @ray.remote(max_restarts=-1)
@@ -124,7 +112,6 @@ class _RayWorkers:
         self.role, self.config, self.namespace, self.host = role, config, namespace, host
         self.pool = config.decode if role == "decode" else config.prefill
         self.actors: dict[str, Any] = {}
-        self.router: str | None = None
         self._latency: tuple[float | None, float | None] = (None, None)
         self._config_json = dump_config(config)
 
@@ -165,23 +152,15 @@ class _RayWorkers:
         return self._latency
 
     def refresh_latency(self) -> None:
-        """Reads the router's recent TTFT and TPOT (outside the pool's lock: the router's status
-        asks this pool for its own)."""
-        if self.router is None:
-            return
+        """Reads the routers' recent TTFT and TPOT from their reports in the registry (outside the
+        pool's lock, so a slow registry never holds up a scale or status call)."""
         try:
-            with tls.channel(self.router, tls.channel_credentials(self.config.auth)) as channel:
-                keys = api_keys(self.config.auth)
-                metadata = [("authorization", f"Bearer {keys[0].decode()}")] if keys else []
-                status = worker_pb2_grpc.AdminStub(channel).GetStatus(
-                    worker_pb2.GetStatusRequest(), timeout=2, metadata=metadata
-                )
-        except grpc.RpcError:
+            registry = ray.get_actor(CONTROLLER, namespace=self.namespace)
+            reports = ray.get(registry.router_reports.remote(), timeout=5)
+        except Exception:  # the registry is restarting: no latency signal this round
             self._latency = (None, None)
             return
-        ttft = status.ttft_p90_seconds if status.HasField("ttft_p90_seconds") else None
-        tpot = status.tpot_p90_seconds if status.HasField("tpot_p90_seconds") else None
-        self._latency = (ttft, tpot)
+        self._latency = fleet_latency(report for _, report in reports)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -207,9 +186,6 @@ class PoolActor:
         ray.get([self.ops.actors[n].get_address.remote() for n in names], timeout=timeout_s)
         threading.Thread(target=self._loop, daemon=True).start()
         return names
-
-    def set_router(self, address: str) -> None:
-        self.ops.router = address
 
     def scale(self, replicas: int | None) -> bytes:
         with self._lock:
@@ -247,32 +223,58 @@ class PoolActor:
 
 @dataclass
 class RayCluster:
+    """Handles on one cluster's named actors ("controller", "pool-decode", "pool-prefill").
+    `owned`: this process created them (`start`) and `shutdown` removes them; otherwise it joined
+    them (`attach`) and `shutdown` leaves them running."""
+
     config: ClusterConfig
     namespace: str
-    controller: Any
-    pools: dict[str, Any] = field(default_factory=dict)
+    actors: dict[str, Any]
+    owned: bool = True
     started_ray: bool = False
+    known: dict[str, str] = field(default_factory=dict)  # the registry's last answer
 
     def discover(self) -> dict[str, str]:
-        """name -> gRPC address of every registered worker (for the router)."""
-        return {name: address for name, (_, address) in ray.get(self.controller.workers.remote()).items()}
+        """name -> gRPC address of every registered worker (for the router). While the registry is
+        out of reach (its owner is starting it again), the last answer it gave: the workers' own
+        Watch streams tell the router which of them are alive."""
+        try:
+            self.known = {name: address for name, (_, address) in self._ask(CONTROLLER, "workers").items()}
+        except (ray.exceptions.RayError, ValueError):  # ValueError: no registry under its name yet
+            logging.getLogger("tandem.cluster").warning("the registry is out of reach", exc_info=True)
+        return dict(self.known)
 
-    def set_router(self, address: str) -> None:
-        """Lets the pool controllers read the router's TTFT and TPOT."""
-        ray.get([pool.set_router.remote(address) for pool in self.pools.values()])
+    def register_router(self, name: str, address: str) -> None:
+        self._ask(CONTROLLER, "register", name, ROUTER, address)
+
+    def unregister_router(self, name: str) -> None:
+        self._ask(CONTROLLER, "unregister", name)
+
+    def report_router(self, name: str, report: bytes) -> None:
+        self._ask(CONTROLLER, "report", name, report)
+
+    def router_reports(self) -> list[tuple[float, bytes]]:
+        """(age in seconds, `RouterStatus` bytes) of every live router."""
+        return list(self._ask(CONTROLLER, "router_reports"))
+
+    def address(self) -> str:
+        """Where another process joins this Ray cluster: the config's Ray Client address, or the
+        address of the cluster's GCS."""
+        if self.config.ray_address and self.config.ray_address.startswith("ray://"):
+            return self.config.ray_address
+        return str(ray.get_runtime_context().gcs_address)
 
     def scale(self, role: str, replicas: int | None) -> worker_pb2.PoolStatus:
         """Holds a pool at `replicas` workers (None gives it back to its autoscaler)."""
-        if role not in self.pools:
-            raise ValueError(f"no pool {role!r} (pools: {', '.join(sorted(self.pools))})")
-        return worker_pb2.PoolStatus.FromString(ray.get(self.pools[role].scale.remote(replicas)))
+        if f"pool-{role}" not in self.actors:
+            raise ValueError(f"no pool {role!r} (pools: {', '.join(POOLS)})")
+        return worker_pb2.PoolStatus.FromString(self._ask(f"pool-{role}", "scale", replicas))
 
     def pool_status(self) -> list[worker_pb2.PoolStatus]:
-        return [worker_pb2.PoolStatus.FromString(ray.get(p.status.remote())) for p in self.pools.values()]
+        return [worker_pb2.PoolStatus.FromString(self._ask(f"pool-{role}", "status")) for role in POOLS]
 
     def drain(self, name: str) -> None:
-        role = name.rsplit("-", 1)[0]
-        ray.get(self.pools[role].drain.remote(name))
+        self._ask(f"pool-{name.rsplit('-', 1)[0]}", "drain", name)
 
     def actor(self, name: str) -> Any:
         return ray.get_actor(name, namespace=self.namespace)
@@ -282,14 +284,26 @@ class RayCluster:
         ray.kill(self.actor(name), no_restart=False)
 
     def shutdown(self) -> None:
-        for role in ("prefill", "decode"):  # prefill first: its KV channels close before decode stops
-            if role in self.pools:
-                with contextlib.suppress(Exception):
-                    ray.get(self.pools[role].stop.remote(), timeout=60)
-                ray.kill(self.pools[role], no_restart=True)
-        ray.kill(self.controller, no_restart=True)
+        if self.owned:
+            for role in ("prefill", "decode"):  # prefill first: its KV channels close before decode stops
+                if (pool := self.actors.get(f"pool-{role}")) is not None:
+                    with contextlib.suppress(Exception):
+                        ray.get(pool.stop.remote(), timeout=60)
+                    ray.kill(pool, no_restart=True)
+            ray.kill(self.actors[CONTROLLER], no_restart=True)
         if self.started_ray:
             ray.shutdown()
+
+    def _ask(self, actor: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        """Calls a method of one of the cluster's actors. An attached handle whose actor died (the
+        process that owns the cluster started it again under its name) looks it up again, once."""
+        try:
+            return ray.get(getattr(self.actors[actor], method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            if self.owned:
+                raise
+            self.actors[actor] = ray.get_actor(actor, namespace=self.namespace)
+            return ray.get(getattr(self.actors[actor], method).remote(*args), timeout=timeout_s)
 
 
 def start(
@@ -306,16 +320,56 @@ def start(
     if started:
         ray.init(address=config.ray_address, namespace=namespace, **ray_init)
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
-    cluster = RayCluster(config, namespace, controller, started_ray=started)
+    cluster = RayCluster(config, namespace, {CONTROLLER: controller}, started_ray=started)
     host = bind_host or ("127.0.0.1" if config.ray_address is None else "node")
     try:
         config_json = dump_config(config)
-        for role in ("decode", "prefill"):
-            cluster.pools[role] = PoolActor.options(name=f"pool-{role}", namespace=namespace).remote(
-                role, config_json, namespace, host
-            )
-        ray.get([pool.start.remote(timeout_s) for pool in cluster.pools.values()], timeout=timeout_s)
+        pools = [
+            PoolActor.options(name=f"pool-{role}", namespace=namespace).remote(role, config_json, namespace, host)
+            for role in POOLS
+        ]
+        cluster.actors.update({f"pool-{role}": pool for role, pool in zip(POOLS, pools, strict=True)})
+        ray.get([pool.start.remote(timeout_s) for pool in pools], timeout=timeout_s)
     except Exception:
         cluster.shutdown()
         raise
     return cluster
+
+
+def attach(
+    config: ClusterConfig, address: str | None = None, namespace: str = NAMESPACE, timeout_s: float = 60.0
+) -> RayCluster:
+    """Joins the cluster another process started in `namespace` (`tandem control` or `tandem
+    serve`): connects to Ray at `address` (default: `config.ray_address`, else the local node's
+    cluster) and waits up to `timeout_s` for the registry and both pools to exist. It creates
+    nothing, so the returned handle's `shutdown` leaves them running."""
+    started = not ray.is_initialized()
+    if started:  # the workers' logs go to the process that owns the cluster, not to every router
+        ray.init(address=address or config.ray_address or "auto", namespace=namespace, log_to_driver=False)
+    try:
+        actors = _find([CONTROLLER, *(f"pool-{role}" for role in POOLS)], namespace, timeout_s)
+    except TimeoutError:
+        if started:
+            ray.shutdown()
+        raise
+    return RayCluster(config, namespace, actors, owned=False, started_ray=started)
+
+
+def _find(names: list[str], namespace: str, timeout_s: float) -> dict[str, Any]:
+    """Handles on the named actors, waiting up to `timeout_s` for those not created yet."""
+    actors: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for name in names:
+            if name not in actors:
+                with contextlib.suppress(ValueError):  # no such actor (yet)
+                    actors[name] = ray.get_actor(name, namespace=namespace)
+        lacking = [name for name in names if name not in actors]
+        if not lacking:
+            return actors
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no {', '.join(lacking)} in Ray namespace {namespace!r} after {timeout_s:.0f} s: "
+                "start the cluster first (`tandem control` or `tandem serve`)"
+            )
+        time.sleep(0.5)

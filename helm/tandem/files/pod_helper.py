@@ -1,16 +1,16 @@
-"""What Tandem's pods run besides `tandem serve` and `ray start` (the chart ships this file in a
-ConfigMap, so it always matches the chart that renders the pods):
+"""What Tandem's pods run besides `tandem control`, `tandem router` and `ray start` (the chart
+ships this file in a ConfigMap, so it always matches the chart that renders the pods):
 
-pod_helper.py config --in FILE --secrets DIR --out FILE   the router's config: the ConfigMap's file plus
-                                                          the API keys and cluster secret from the mounted
+pod_helper.py config --in FILE --secrets DIR --out FILE   the Tandem config: the ConfigMap's file plus the
+                                                          API keys and cluster secret from the mounted
                                                           Secret, validated by `cluster.config.parse_config`
 pod_helper.py check-model DIR                             the model folder is complete (init container)
 pod_helper.py health --target HOST:PORT [--tls-ca FILE]   grpc.health.v1 over TLS (the kubelet's own gRPC
                                                           probe speaks plaintext only)
 pod_helper.py relay --listen HOST:PORT --to HOST:PORT     TCP relay: the router serves /metrics on loopback
 
-The cluster secret has no file form in the config, and the workers receive the router's config
-through Ray, so the router's config must carry the keys themselves; they go into a memory-backed
+The cluster secret has no file form in the config, and the workers receive the controller's
+config through Ray, so the config must carry the keys themselves; they go into a memory-backed
 volume, never into the ConfigMap.
 """
 
@@ -125,7 +125,7 @@ async def _relay(listen: str, to: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pod_helper.py", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    config = commands.add_parser("config", help="compose and validate the router's config")
+    config = commands.add_parser("config", help="compose and validate the Tandem config")
     config.add_argument("--in", dest="input", required=True, help="config file from the ConfigMap")
     config.add_argument("--secrets", required=True, help="folder where the Secret is mounted")
     config.add_argument("--api-keys-key", default="api-keys", help="Secret key holding API keys, one a line")

@@ -271,3 +271,51 @@ affinity:
       readOnly: true
 {{- end }}
 {{- end }}
+
+{{/*
+The init container that composes the config the Tandem command reads at /run/tandem/config.json:
+the ConfigMap's file, the API keys and the cluster secret, validated by Tandem's config schema.
+(dict "root" $ "image" "..." "pullPolicy" "...")
+*/}}
+{{- define "tandem.configInit" -}}
+{{- $v := .root.Values }}
+- name: config
+  image: {{ .image }}
+  imagePullPolicy: {{ .pullPolicy }}
+  command:
+    - python
+    - /etc/tandem/scripts/pod_helper.py
+    - config
+    - --in=/etc/tandem/config/config.yaml
+    - --secrets=/var/run/tandem/secrets
+    - --api-keys-key={{ $v.auth.apiKeysKey }}
+    - --cluster-secret-key={{ $v.auth.clusterSecretKey }}
+    - --out=/run/tandem/config.json
+  resources:
+    requests:
+      cpu: 100m
+      memory: 256Mi
+    limits:
+      cpu: "1"
+      memory: 512Mi
+  volumeMounts:
+    - {name: config, mountPath: /etc/tandem/config, readOnly: true}
+    - {name: scripts, mountPath: /etc/tandem/scripts, readOnly: true}
+    - {name: secrets, mountPath: /var/run/tandem/secrets, readOnly: true}
+    - {name: run, mountPath: /run/tandem}
+{{- end }}
+
+{{/* The volumes of a pod that runs a Tandem command on the composed config (controller, router). */}}
+{{- define "tandem.commandVolumes" -}}
+- name: config
+  configMap:
+    name: {{ include "tandem.fullname" . }}-config
+- name: secrets
+  secret:
+    secretName: {{ include "tandem.authSecretName" . }}
+- name: run
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
+{{ include "tandem.volumes" . | trim }}
+{{- end }}

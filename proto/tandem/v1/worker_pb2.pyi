@@ -156,7 +156,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address", "pools", "ttft_p90_seconds", "tpot_p90_seconds")
+    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address", "pools", "ttft_p90_seconds", "tpot_p90_seconds", "routers")
     class DecisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class ClusterStatus(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     TTFT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TPOT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     decisions: _containers.ScalarMap[str, int]
@@ -182,7 +183,37 @@ class ClusterStatus(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     ttft_p90_seconds: float
     tpot_p90_seconds: float
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., ttft_p90_seconds: _Optional[float] = ..., tpot_p90_seconds: _Optional[float] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., ttft_p90_seconds: _Optional[float] = ..., tpot_p90_seconds: _Optional[float] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("name", "address", "metrics_address", "requests_in_flight", "decisions", "slo_attainment", "ttft_p90_seconds", "tpot_p90_seconds", "age_seconds")
+    class DecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    SLO_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    metrics_address: str
+    requests_in_flight: int
+    decisions: _containers.ScalarMap[str, int]
+    slo_attainment: float
+    ttft_p90_seconds: float
+    tpot_p90_seconds: float
+    age_seconds: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., decisions: _Optional[_Mapping[str, int]] = ..., slo_attainment: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., tpot_p90_seconds: _Optional[float] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("name", "address", "healthy", "load")
