@@ -307,6 +307,15 @@ class RouterConfig(_Part):
     migration_wait_s: float = Field(
         default=60.0, ge=0, description="How long a migrating request waits for a live worker (a restart, say)."
     )
+    prefix_routing: Literal["kv", "hash", "random"] = Field(
+        default="kv",
+        description="How placement finds a prompt's cached prefix: kv, from the workers' own cache events; "
+        "hash, the prefill worker owning the prompt's first block on a consistent-hash ring; random, "
+        "any worker (a baseline to compare against).",
+    )
+    prefix_index_max_blocks: int = Field(
+        default=1_000_000, gt=0, description="Most KV blocks a router's prefix index tracks (about 180 bytes each)."
+    )
     first_token_from_prefill: bool = Field(
         default=True,
         description="Stream a remotely prefilled request's first token as the prefill worker samples it, "

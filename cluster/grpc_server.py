@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import api_pb2, worker_pb2
 
+from cluster.engine.kv_events import KVJournal
 from cluster.engine.request import SamplingParams, params_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -101,18 +102,32 @@ def watch_loads(
     request: worker_pb2.WatchRequest,
     context: grpc.ServicerContext,
     stopped: threading.Event,
+    journal: KVJournal | None = None,
 ) -> Iterator[worker_pb2.WorkerUpdate]:
     """A worker's `Worker.Watch`: the load at once, again whenever it changes (sampled every
     `min_interval_seconds`, so at most one snapshot per interval), and a heartbeat after
-    `heartbeat_seconds` without a message. It ends with the call or when the worker stops."""
+    `heartbeat_seconds` without a message. With `kv_events` asked for and a `journal`, each
+    message also carries the prefix cache's events since the last (a snapshot first). It ends
+    with the call or when the worker stops."""
     interval = max(request.min_interval_seconds or 0.01, 0.001)
     heartbeat = max(request.heartbeat_seconds or 0.5, interval)
-    last, sent_at, sequence = None, 0.0, 0
+    events = journal if request.kv_events else None
+    last, sent_at, sequence, cursor = None, 0.0, 0, None
     while context.is_active() and not stopped.is_set():
         current, now = load(), time.monotonic()
-        if current != last:
+        batch = None if events is None else events.since(cursor)
+        if current != last or batch is not None:
             sequence += 1
-            yield worker_pb2.WorkerUpdate(load=current, sequence=sequence)
+            update = worker_pb2.WorkerUpdate(load=current, sequence=sequence)
+            if batch is not None:
+                update.kv.CopyFrom(
+                    worker_pb2.KVEvents(
+                        first=batch.first, last=batch.last, stored=batch.stored, removed=batch.removed,
+                        snapshot=batch.snapshot,
+                    )
+                )  # fmt: skip
+                cursor = batch.last
+            yield update
             last, sent_at = current, now
         elif now - sent_at >= heartbeat:
             sequence += 1

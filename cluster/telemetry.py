@@ -56,6 +56,15 @@ class Metrics:
         self.migrations = prom.Counter(
             "tandem_migrations", "Requests moved to another worker after a worker failed.", ["failed"], registry=r
         )
+        self.placements = prom.Counter(
+            "tandem_placements", "Requests placed, by decision (`router.placement`).", ["decision"], registry=r
+        )
+        self.placed_cached_blocks = prom.Counter(
+            "tandem_placed_cached_blocks",
+            "Prompt blocks the chosen worker already held when the request was placed (KV-aware routing).",
+            ["decision"],
+            registry=r,
+        )
         self.transfer_failures = prom.Counter(
             "tandem_kv_transfer_failures", "KV transfers that failed.", ["code"], registry=r
         )

@@ -32,6 +32,7 @@ from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
+from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner, num_kv_blocks
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan
 from cluster.engine.sampler import Draft, Sampler, SampleRow, TokenLogprob
@@ -87,7 +88,10 @@ class Engine:
         num_speculative_tokens: int = 0,
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
-        blocks = BlockManager(self.num_blocks, cache.block_size, cache.watermark, cache.enable_prefix_caching)
+        self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
+        blocks = BlockManager(
+            self.num_blocks, cache.block_size, cache.watermark, cache.enable_prefix_caching, self.kv_journal
+        )
         max_len = min(max_model_len or model.arch.max_position_embeddings, model.arch.max_position_embeddings)
         self.scheduler = Scheduler(scheduler, blocks, eos_token_ids, max_len)
         sampler = Sampler(model.arch.vocab_size, seed)

@@ -96,6 +96,14 @@ class KVIntake:
             code = {KeyError: grpc.StatusCode.ALREADY_EXISTS, ValueError: grpc.StatusCode.OUT_OF_RANGE}
             message = e.args[0] if e.args else repr(e)
             raise TransferError(code.get(type(e), grpc.StatusCode.RESOURCE_EXHAUSTED), message) from None
+        if cached < header.first_position:  # evicted since the router saw it here
+            self.engine.release(rid)
+            with self._lock:
+                del self._transfers[rid]
+            raise TransferError(
+                grpc.StatusCode.ABORTED,
+                f"the sender skips the first {header.first_position} tokens, but this worker's cache holds {cached}",
+            )
         positions = torch.arange(cached, header.num_tokens)
         blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
         slots = (blocks * self.block_size + positions % self.block_size).to(self.engine.kv_cache[0][0].device)
@@ -217,7 +225,8 @@ class KVIntake:
         for j in range(chunk.layer_count):
             k_cache, v_cache = kv_cache[chunk.layer_start + j]
             _, _, heads, dim = k_cache.shape
-            key = chunk.key[j, cached:].to(k_cache.device, non_blocking=True)
-            value = chunk.value[j, cached:].to(v_cache.device, non_blocking=True)
+            skip = cached - transfer.header.first_position  # the chunk starts at first_position
+            key = chunk.key[j, skip:].to(k_cache.device, non_blocking=True)
+            value = chunk.value[j, skip:].to(v_cache.device, non_blocking=True)
             k_cache.view(-1, heads, dim).index_copy_(0, transfer.slots, key)
             v_cache.view(-1, heads, dim).index_copy_(0, transfer.slots, value)

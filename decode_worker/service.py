@@ -207,7 +207,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
     def Watch(
         self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop)
+        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True

@@ -26,6 +26,7 @@ import torch
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk
 from cluster.engine.sampler import Sampler, SampleRow
@@ -64,6 +65,7 @@ class _Job:
     request: Request
     sender: KVSender
     capability: bytes = b""
+    skip: int = 0  # leading tokens whose KV the decode worker holds: not shipped
     stream: SendStream | None = None
     lease_deadline: float = 0.0
 
@@ -85,7 +87,9 @@ class PrefillEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
         self.num_blocks = num_blocks
-        blocks = BlockManager(num_blocks, cache.block_size, cache.watermark, prefix_caching=cache.enable_prefix_caching)
+        self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
+        prefix = cache.enable_prefix_caching
+        blocks = BlockManager(num_blocks, cache.block_size, cache.watermark, prefix, self.kv_journal)
         self.scheduler = PrefillScheduler(scheduler, blocks)
         self.runner = ModelRunner(
             model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed), kv_dtype=cache.kv_dtype
@@ -107,11 +111,13 @@ class PrefillEngine:
         sender: KVSender,
         capability: bytes = b"",
         output_token_ids: Sequence[int] = (),
+        decode_cached_tokens: int = 0,
     ) -> None:
         """Queues a prompt whose KV goes to the decode worker behind `sender` (with the router's
         `capability` for the transfer), after it the output a request moved here already generated
         (its KV travels too, and the token sampled here is output index `len(output_token_ids)`);
-        raises ValueError if it can never run."""
+        `decode_cached_tokens` leading tokens, whole blocks the decode worker's cache holds, are not
+        shipped. Raises ValueError if it can never run."""
         if request_id in self._jobs:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model.arch.vocab_size
@@ -119,9 +125,13 @@ class PrefillEngine:
             raise ValueError(f"prompt and output token ids must be in [0, {vocab})")
         if len(output_token_ids) >= params.max_tokens:
             raise ValueError(f"{len(output_token_ids)} tokens already generated reach max_tokens ({params.max_tokens})")
+        block = self.scheduler.blocks.block_size
+        total = len(prompt) + len(output_token_ids)
+        if decode_cached_tokens % block or not 0 <= decode_cached_tokens < total:
+            raise ValueError(f"decode_cached_tokens={decode_cached_tokens}: whole {block}-token blocks below {total}")
         request = Request(request_id, list(prompt), params, output_token_ids=list(output_token_ids))
         self.scheduler.add(request)
-        self._jobs[request_id] = _Job(request, sender, capability)
+        self._jobs[request_id] = _Job(request, sender, capability, skip=decode_cached_tokens)
 
     def abort(self, request_id: str) -> bool:
         job = self._jobs.pop(request_id, None)
@@ -210,6 +220,7 @@ class PrefillEngine:
             sampling=request.params,
             capability=self._jobs[request.request_id].capability,
             num_output_tokens=len(request.output_token_ids),
+            first_position=self._jobs[request.request_id].skip,
         )
         return self._jobs[request.request_id].sender.open(header)
 
@@ -226,12 +237,12 @@ class PrefillEngine:
                 return
             first = layer - (layer % per_chunk)
             for c, table in zip(finishing, tables, strict=True):
-                n = c.request.num_tokens
+                n, skip = c.request.num_tokens, self._jobs[c.request.request_id].skip
                 keys, values = [], []
                 for i in range(first, layer + 1):
                     k_cache, v_cache = self.runner.kv_cache[i]
-                    keys.append(k_cache[table].flatten(0, 1)[:n])  # [n, kv_heads, hd]
-                    values.append(v_cache[table].flatten(0, 1)[:n])
+                    keys.append(k_cache[table].flatten(0, 1)[skip:n])  # [n - skip, kv_heads, hd]
+                    values.append(v_cache[table].flatten(0, 1)[skip:n])
                 stream = self._jobs[c.request.request_id].stream
                 assert stream is not None
                 stream.send(make_chunk(first, torch.stack(keys), torch.stack(values)))

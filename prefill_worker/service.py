@@ -112,7 +112,9 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             try:
                 sender = self._sender(request.decode_target)
                 prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
-                self.engine.add_request(rid, prompt, params, sender, request.capability, output)
+                self.engine.add_request(
+                    rid, prompt, params, sender, request.capability, output, request.decode_cached_tokens
+                )
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self._waiters[rid] = waiter
@@ -153,7 +155,7 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
     def Watch(
         self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop)
+        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -58,6 +60,7 @@ class Dispatcher:
     ) -> None:
         self.settings, self.view, self.telemetry, self.tokenizer = settings, view, telemetry, tokenizer
         self.decisions: collections.Counter[str] = collections.Counter()
+        self._rng = random.Random(0)  # `prefix_routing: random`'s choices
 
     async def generate(
         self, stream: Stream, params: SamplingParams, context: grpc.aio.ServicerContext,
@@ -76,22 +79,37 @@ class Dispatcher:
             stream.status = "rejected"
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         self.decisions[f"prefill={choice.reason}"] += 1
+        m = self.telemetry.metrics
+        m.placements.labels(choice.reason).inc()
+        m.placed_cached_blocks.labels(choice.reason).inc(choice.cached_blocks)
         root = trace.get_current_span(trace_context)
-        root.set_attribute("tandem.prefill_mode", choice.reason.split(":")[0])
-        await context.send_initial_metadata(
-            (("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)), ("tandem-decode", choice.decode))
+        root.set_attributes(
+            {
+                "tandem.prefill_mode": choice.reason.split(":")[0],
+                "tandem.placement": choice.reason,
+                "tandem.cached_blocks": choice.cached_blocks,
+            }
         )
+        await context.send_initial_metadata(
+            (
+                ("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)),
+                ("tandem-decode", choice.decode), ("tandem-cached-blocks", str(choice.cached_blocks)),
+            )
+        )  # fmt: skip
         placed = time.time()
         self.telemetry.record("router.queue", trace_context, stream.received, placed, tandem__prefill=describe(choice))
         self.telemetry.metrics.queue.labels("router").observe(placed - stream.received)
         metadata = [*self.view.pool.metadata, *trace_metadata(trace_context)]
         worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
+        trusted = True  # ship only what the decode worker lacks, until a prefill attempt failed
         for attempt in range(s.migration_limit + 1):
             generated = list(stream.generated)
             if attempt:
                 try:
                     rest = rest_of(params, len(generated))
                     choice = await self.place(stream.prompt + generated, rest, s.migration_wait_s)
+                    if not trusted:  # the decode worker may have evicted what the index says it holds
+                        choice = dataclasses.replace(choice, decode_blocks=0)
                 except NoCapacity as e:
                     raise Abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}") from None
             tokens = (stream.prompt, generated)
@@ -106,6 +124,7 @@ class Dispatcher:
             except Broken as broken:
                 if not broken.migratable or attempt == s.migration_limit:
                     raise Abort(broken.code, broken.details) from None
+                trusted = trusted and broken.where != "prefill"
                 self.telemetry.metrics.migrations.labels(broken.where).inc()
                 stream.migrated(self.tokenizer.decode)
                 event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
@@ -122,6 +141,8 @@ class Dispatcher:
         rediscovered = False
         while True:
             try:
+                if s.prefix_routing == "random":
+                    return self.view.index.choose_random(prompt, max_tokens, s.block_size, local, self._rng)
                 return self.view.index.choose(prompt, max_tokens, s.block_size, local)
             except NoCapacity:
                 if not rediscovered:  # a worker added since the last discovery may fit
@@ -254,9 +275,11 @@ class Dispatcher:
         if s.capability_secret is not None:
             num_tokens = len(prompt) + len(output)  # the KV that travels
             capability = mint_capability(s.capability_secret, worker_rid, num_tokens, s.block_size, s.capability_ttl_s)
+        total = len(prompt) + len(output)
+        kept = min(choice.decode_blocks, (total - 1) // s.block_size) * s.block_size  # KV the decode worker has
         request = worker_pb2.WorkerRequest(
             request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
-            decode_target=decode[0], capability=capability,
+            decode_target=decode[0], capability=capability, decode_cached_tokens=kept,
         )  # fmt: skip
         submit = prefill[1].unary_stream(
             SUBMIT, request_serializer=worker_pb2.WorkerRequest.SerializeToString,

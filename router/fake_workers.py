@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import sys
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
+from cluster.engine.kv_events import KVJournal, block_hashes
 from cluster.grpc_server import message_options
 
 VOCAB = 1000
@@ -51,10 +53,54 @@ class FakeTokenizer:
         return "".join(f"t{i} " for i in ids)
 
 
+class FakeCache:
+    """A prefix cache of `capacity` blocks, least recently used evicted first, that tells a
+    `KVJournal` what it stores and evicts, as a real worker's block manager does."""
+
+    def __init__(self, capacity: int, block_size: int = 16) -> None:
+        self.capacity, self.block_size = capacity, block_size
+        self.journal = KVJournal()
+        self._blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of `tokens` whose KV is cached (whole blocks, never the last token)."""
+        cached = 0
+        for block_hash in block_hashes(tokens[:-1], self.block_size):
+            if block_hash not in self._blocks:
+                break
+            self._blocks.move_to_end(block_hash)
+            cached += self.block_size
+        return cached
+
+    def store(self, tokens: Sequence[int]) -> None:
+        """Caches the full blocks of `tokens`, whose KV was computed."""
+        for block_hash in block_hashes(tokens, self.block_size):
+            if block_hash in self._blocks:
+                self._blocks.move_to_end(block_hash)
+                continue
+            self._blocks[block_hash] = None
+            self.journal.stored(block_hash)
+            if len(self._blocks) > self.capacity:
+                self.journal.removed(self._blocks.popitem(last=False)[0])
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, name: str, role: str = "decode", step_s: float = 0.001, total_kv_blocks: int = 4096) -> None:
+    def __init__(
+        self,
+        name: str,
+        role: str = "decode",
+        step_s: float = 0.001,
+        total_kv_blocks: int = 4096,
+        cache_blocks: int = 0,
+        prefill_s_per_token: float = 0.0,
+    ) -> None:
         self.name, self.role, self.step_s = name, role, step_s
         self.total_kv_blocks = total_kv_blocks
+        # With `cache_blocks`, a prefix cache whose events Watch pushes; a prompt then takes
+        # `prefill_s_per_token` for each token it does not find cached.
+        self.cache = FakeCache(cache_blocks) if cache_blocks else None
+        self.prefill_s_per_token = prefill_s_per_token
+        self.prompt_tokens = self.cached_tokens = 0  # prompts prefilled here, and the part found cached
         self.running = 0
         self.draining = False
         self.refuse_watch = False  # a worker that cannot be watched: every Watch call fails at once
@@ -123,28 +169,55 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self._notify()
         try:
             prompt, done = list(request.prompt_token_ids), len(request.output_token_ids)
+            context_tokens = [*prompt, *request.output_token_ids]
             if self.role == "prefill":
+                cached = await self._prefill(context_tokens)
                 await asyncio.sleep(self.step_s)
                 await self._maybe_die(0, context)
-                yield worker_pb2.WorkerTokens(request_id=request.request_id, token_ids=[fake_token(prompt, done)])
+                yield worker_pb2.WorkerTokens(
+                    request_id=request.request_id, token_ids=[fake_token(prompt, done)], num_cached_tokens=cached
+                )
                 await asyncio.sleep(self.step_s)  # the KV transfer: the call ends once it landed
                 return
             max_tokens = request.sampling.max_tokens or 16
+            cached = 0
             if request.remote_prefill:
                 await asyncio.sleep(2 * self.step_s)  # the prefill worker's step and the KV transfer
+                if self.cache is not None:
+                    self.cache.store(context_tokens)
+            else:
+                cached = await self._prefill(context_tokens)
+            output = list(request.output_token_ids)
             for index in range(done, max_tokens):
                 await asyncio.sleep(self.step_s)
                 await self._maybe_die(index - done, context)
                 token = fake_token(prompt, index)
+                output.append(token)
                 last = index == max_tokens - 1
+                if last and self.cache is not None:
+                    self.cache.store([*prompt, *output[:-1]])  # the last token's KV is never computed
+                    self._notify()
                 yield worker_pb2.WorkerTokens(
                     request_id=request.request_id, token_ids=[token], text=f"t{token} ",
-                    num_prompt_tokens=len(prompt),
+                    num_prompt_tokens=len(prompt), num_cached_tokens=cached,
                     finish_reason=api_pb2.FINISH_REASON_LENGTH if last else api_pb2.FINISH_REASON_UNSPECIFIED,
                 )  # fmt: skip
         finally:
             self.running -= 1
             self._notify()
+
+    async def _prefill(self, tokens: list[int]) -> int:
+        """Prefills `tokens` here: their uncached part costs `prefill_s_per_token` each. Returns
+        the tokens found cached."""
+        cached = 0 if self.cache is None else self.cache.lookup(tokens)
+        self.prompt_tokens += len(tokens)
+        self.cached_tokens += cached
+        if self.prefill_s_per_token:
+            await asyncio.sleep((len(tokens) - cached) * self.prefill_s_per_token)
+        if self.cache is not None:
+            self.cache.store(tokens)
+            self._notify()
+        return cached
 
     async def Abort(self, request: worker_pb2.AbortRequest, context) -> worker_pb2.AbortResult:  # type: ignore[no-untyped-def,override]
         return worker_pb2.AbortResult(found=False)
@@ -163,15 +236,27 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         heartbeat = max(request.heartbeat_seconds or 0.5, interval)
         changed, epoch = asyncio.Event(), self._epoch
         self._listeners.add(changed)
-        last, sequence = None, 0
+        journal = self.cache.journal if self.cache is not None and request.kv_events else None
+        last, sequence, cursor = None, 0, None
         try:
             while self._epoch == epoch:
                 current = self.load()
                 sequence += 1
-                yield worker_pb2.WorkerUpdate(load=current if current != last else None, sequence=sequence)
+                update = worker_pb2.WorkerUpdate(load=current if current != last else None, sequence=sequence)
+                batch = None if journal is None else journal.since(cursor)
+                if batch is not None:
+                    update.kv.CopyFrom(
+                        worker_pb2.KVEvents(
+                            first=batch.first, last=batch.last, stored=batch.stored, removed=batch.removed,
+                            snapshot=batch.snapshot,
+                        )
+                    )  # fmt: skip
+                    cursor = batch.last
+                yield update
                 last = current
                 await asyncio.sleep(interval)  # the rate limit
-                if self.load() == last and self._epoch == epoch:
+                unchanged = journal is None or journal.sequence == cursor
+                if self.load() == last and unchanged and self._epoch == epoch:
                     changed.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), heartbeat - interval)
@@ -221,8 +306,9 @@ async def _make(name: str, role: str, step_s: float, kwargs: dict) -> FakeWorker
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    workers = [FakeWorker(f"decode-{i}", "decode", args.step_s) for i in range(args.workers)]
-    workers += [FakeWorker(f"prefill-{i}", "prefill", args.step_s) for i in range(args.prefill_workers)]
+    cache = {"cache_blocks": args.cache_blocks, "prefill_s_per_token": args.prefill_s_per_token}
+    workers = [FakeWorker(f"decode-{i}", "decode", args.step_s, **cache) for i in range(args.workers)]
+    workers += [FakeWorker(f"prefill-{i}", "prefill", args.step_s, **cache) for i in range(args.prefill_workers)]
     addresses = {w.name: await w.start() for w in workers}
     print(json.dumps(addresses), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
@@ -254,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=16, help="fake decode workers")
     parser.add_argument("--prefill-workers", type=int, default=0, help="fake prefill workers")
     parser.add_argument("--step-s", type=float, default=0.001, help="each worker's time per token")
+    parser.add_argument("--cache-blocks", type=int, default=0, help="each worker's prefix cache, in blocks (0: none)")
+    parser.add_argument("--prefill-s-per-token", type=float, default=0.0, help="prefill time per uncached token")
     parser.add_argument("--router-over", help="run a router instead, over these workers (JSON name -> address)")
     parser.add_argument("--address", default="127.0.0.1:0", help="the router's address (a shared port: SO_REUSEPORT)")
     args = parser.parse_args(argv)

@@ -17,13 +17,16 @@ choices as `router.placement.choose` over the same loads (a test holds it to tha
 from __future__ import annotations
 
 import bisect
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from tandem.v1 import worker_pb2
 
-from router.placement import Choice, NoCapacity, Ring
+from cluster.engine.kv_events import block_hashes
+from router.placement import Choice, NoCapacity, Ring, best_holder, cheapest_decode
+from router.prefix_index import PrefixIndex
 
 
 class LoadIndex:
@@ -31,6 +34,7 @@ class LoadIndex:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self.ring_builds = 0  # how often the prefill ring was built (membership changes, not requests)
+        self.prefix: PrefixIndex | None = None  # KV-aware routing: the blocks each worker's cache holds
         self._loads: dict[str, worker_pb2.WorkerLoad] = {}
         self._seen: dict[str, float] = {}  # when anything was last heard from each worker
         self._keys: dict[str, tuple] = {}  # each placeable worker's key in its order
@@ -55,6 +59,13 @@ class LoadIndex:
         with self._lock:
             if name in self._loads:
                 self._seen[name] = self.clock()
+
+    def apply_kv(self, name: str, batch: worker_pb2.KVEvents) -> bool:
+        """One batch of a worker's cache events into the prefix index; False on a gap."""
+        if self.prefix is None:
+            return True
+        with self._lock:
+            return self.prefix.apply(name, batch)
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -83,11 +94,30 @@ class LoadIndex:
         local_prefill_max_tokens: int,
         queue_slack_tokens: int = 2048,
     ) -> Choice:
+        hashes = block_hashes(prompt, block_size) if self.prefix is not None else []
         with self._lock:
+            matches = {} if self.prefix is None else self.prefix.match(hashes)
             now = self.clock()
-            decode = self._choose_decode(-(-(len(prompt) + max_tokens) // block_size), now)
-            if len(prompt) <= local_prefill_max_tokens:
+            needed = -(-(len(prompt) + max_tokens) // block_size)
+            decode = self._choose_decode(needed, now)
+            matches = {n: held for n, held in matches.items() if n in self._keys and not self._stale(n, now)}
+            if matches:
+                decode = cheapest_decode(decode, needed, len(prompt) // block_size, self._loads, matches)
+                held = matches.get(decode, 0)
+                if len(prompt) - held * block_size <= local_prefill_max_tokens:
+                    return Choice(decode, None, "local:cached-prefix" if held else "local:short-prompt", held)
+                prefills = {n: self._loads[n] for n in matches if len(self._keys[n]) == 2}
+                holder = best_holder(prefills, matches)
+                if holder is not None and self._prefill:
+                    shortest = self._prefill[0][1]
+                    gap = self._loads[holder].queued_prompt_tokens - self._loads[shortest].queued_prompt_tokens
+                    if gap <= queue_slack_tokens:
+                        return Choice(decode, holder, "remote:cached-prefix", matches[holder], held)
+                    if not self._stale(shortest, now):
+                        return Choice(decode, shortest, "remote:shortest-queue", matches.get(shortest, 0), held)
+            elif len(prompt) <= local_prefill_max_tokens:
                 return Choice(decode, None, "local:short-prompt")
+            kept = matches.get(decode, 0)
             while self._prefill:
                 shortest = self._prefill[0][1]
                 if self._stale(shortest, now):
@@ -102,9 +132,31 @@ class LoadIndex:
                     continue
                 gap = self._loads[owner].queued_prompt_tokens - self._loads[shortest].queued_prompt_tokens
                 if gap <= queue_slack_tokens:
-                    return Choice(decode, owner, "remote:prefix-owner")
-                return Choice(decode, shortest, "remote:shortest-queue")
+                    return Choice(decode, owner, "remote:prefix-owner", 0, kept)
+                return Choice(decode, shortest, "remote:shortest-queue", 0, kept)
             return Choice(decode, None, "local:no-prefill-worker")
+
+    def choose_random(
+        self, prompt: Sequence[int], max_tokens: int, block_size: int, local_prefill_max_tokens: int, rng: random.Random
+    ) -> Choice:
+        """A baseline to compare placement against (`router.prefix_routing: random`): any fresh
+        decode worker with room now (else any that can hold the sequence), any fresh prefill worker."""
+        with self._lock:
+            now = self.clock()
+            needed = -(-(len(prompt) + max_tokens) // block_size)
+            fresh = [
+                n for _, _, n in self._decode if not self._stale(n, now) and self._loads[n].total_kv_blocks >= needed
+            ]
+            if not fresh:
+                raise NoCapacity(f"no decode worker can hold {needed} KV blocks")
+            roomy = [n for n in fresh if self._loads[n].free_kv_blocks >= needed]
+            decode = rng.choice(roomy or fresh)
+            if len(prompt) <= local_prefill_max_tokens:
+                return Choice(decode, None, "local:short-prompt")
+            prefills = [n for _, n in self._prefill if not self._stale(n, now)]
+            if not prefills:
+                return Choice(decode, None, "local:no-prefill-worker")
+            return Choice(decode, rng.choice(prefills), "remote:random")
 
     # -- internals (under the lock) ----------------------------------------------------------------
 
@@ -140,6 +192,8 @@ class LoadIndex:
         del order[bisect.bisect_left(order, key)]
 
     def _drop(self, name: str) -> None:
+        if self.prefix is not None:
+            self.prefix.drop(name)  # a worker back from the dead starts again from a snapshot
         key = self._keys.get(name)
         self._unindex(name)
         self._loads.pop(name, None)

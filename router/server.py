@@ -45,6 +45,7 @@ from router.aio_server import AioServer, start_aio_server
 from router.dispatch import Abort, Dispatcher
 from router.fleet import Fleet, RouterRegistry, advertised, router_name, totals
 from router.pool import WorkerPool
+from router.prefix_index import PrefixIndex
 from router.relay import Malformed, Stream, account, parse
 from router.settings import PoolAdmin, RouterSettings, settings_from_config
 from router.validate import InvalidRequest, PromptTokenizer, validate
@@ -71,7 +72,10 @@ class Router(worker_pb2_grpc.AdminServicer):
         self.tokenizer = tokenizer
         self.pool = pool
         self.loop = LoopThread()
-        self.view = WorkerView(pool, settings.watch_heartbeat_s, settings.watch_stale_after_s, loop=self.loop)
+        prefix = PrefixIndex(settings.prefix_index_max_blocks) if settings.prefix_routing == "kv" else None
+        self.view = WorkerView(
+            pool, settings.watch_heartbeat_s, settings.watch_stale_after_s, loop=self.loop, prefix=prefix
+        )
         self.dispatcher = Dispatcher(settings, self.view, telemetry, tokenizer)
         self._in_flight = 0  # touched on the loop only
         self._draining = False

@@ -33,6 +33,8 @@ class RouterSettings:
     watch_heartbeat_s: float = 0.5  # a worker's Watch stream sends at least this often
     watch_stale_after_s: float = 2.0  # a worker silent this long takes no new request
     first_token_from_prefill: bool = True  # stream the prefill worker's first token at once
+    prefix_routing: str = "kv"  # "kv" (the workers' cache events), "hash" (the prefill ring) or "random"
+    prefix_index_max_blocks: int = 1_000_000
 
 
 class PoolAdmin(Protocol):
@@ -64,4 +66,6 @@ def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Toke
         migration_limit=r.migration_limit,
         migration_wait_s=r.migration_wait_s,
         first_token_from_prefill=r.first_token_from_prefill,
+        prefix_routing=r.prefix_routing,
+        prefix_index_max_blocks=r.prefix_index_max_blocks,
     )

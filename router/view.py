@@ -10,6 +10,9 @@ Lifecycle:
                    get a stream; workers that left lose theirs and leave the index
     a stream       a snapshot on each change, a heartbeat otherwise; when it breaks or ends, the
                    worker leaves placement at once and the stream is opened again after `retry_s`
+    KV events      with a `PrefixIndex` (KV-aware routing), each stream also carries the worker's
+                   cache events, a snapshot first; a gap in them opens the stream again at once
+                   (`resyncs`), and a worker that leaves placement leaves the index too
     staleness      nothing heard for `stale_after_s` (a stream that stalls without breaking):
                    the index passes the worker over; a sweep every `heartbeat_s` drops it
     stop()         cancels every stream and closes every channel
@@ -34,6 +37,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster.grpc_server import message_options
 from router.index import LoadIndex
 from router.pool import WorkerPool
+from router.prefix_index import PrefixIndex
 
 
 class LoopThread:
@@ -70,11 +74,14 @@ class WorkerView:
         min_interval_s: float = 0.01,
         retry_s: float = 0.2,
         loop: LoopThread | None = None,
+        prefix: PrefixIndex | None = None,
     ) -> None:
         self.pool = pool
         self.index = LoadIndex(stale_after_s)
+        self.index.prefix = prefix  # KV-aware routing: the streams also carry each cache's events
         self.heartbeat_s, self.min_interval_s, self.retry_s = heartbeat_s, min_interval_s, retry_s
         self.updates = 0  # messages received on every stream
+        self.resyncs = 0  # streams opened again after a gap in a worker's KV events
         self._members: dict[str, _Member] = {}
         self._own_loop = loop is None
         self.loop = loop or LoopThread("router-view")
@@ -129,9 +136,13 @@ class WorkerView:
             await asyncio.wait(fresh, timeout=wait_s)
 
     async def _watch(self, name: str, channel: grpc.aio.Channel, first: asyncio.Future) -> None:
-        request = worker_pb2.WatchRequest(min_interval_seconds=self.min_interval_s, heartbeat_seconds=self.heartbeat_s)
+        request = worker_pb2.WatchRequest(
+            min_interval_seconds=self.min_interval_s, heartbeat_seconds=self.heartbeat_s,
+            kv_events=self.index.prefix is not None,
+        )  # fmt: skip
         while True:
             call = worker_pb2_grpc.WorkerStub(channel).Watch(request, metadata=self.pool.metadata)
+            gap = False
             try:
                 async for update in call:
                     self.updates += 1
@@ -139,14 +150,22 @@ class WorkerView:
                         self.index.update(name, update.load)
                     else:
                         self.index.heard(name)
+                    if update.HasField("kv") and not self.index.apply_kv(name, update.kv):
+                        gap = True  # events were missed: a new stream starts with a snapshot
+                        self.resyncs += 1
+                        call.cancel()
+                        break
                     if not first.done():
                         first.set_result(None)
             except grpc.RpcError:
                 pass
             finally:
-                self.index.remove(name)  # out of placement the moment its stream ends
+                if not gap:
+                    self.index.remove(name)  # out of placement the moment its stream ends
                 if not first.done():
                     first.set_result(None)  # nobody waits on a worker that cannot be reached
+            if gap:
+                continue
             self.pool.rediscover()
             await asyncio.sleep(self.retry_s)
 

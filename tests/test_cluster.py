@@ -5,6 +5,7 @@ one shipping KV over `grpc`, one over `collective` (Gloo)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import socket
 import subprocess
@@ -456,6 +457,6 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(ray_instance,
     assert root["attributes"]["tandem.prefill_mode"] == "remote"
     # TTFT in three parts, end to end: queued at the router, prefilled, relayed to the client
     parts = [by_name[n] for n in ("router.queue", "router.prefill", "router.relay")]
-    assert all(a["end_time"] <= b["start_time"] for a, b in zip(parts, parts[1:], strict=False))
+    assert all(a["end_time"] <= b["start_time"] for a, b in itertools.pairwise(parts))
     assert by_name["router.prefill"]["attributes"]["tandem.first_token_from"] in ("prefill", "decode")
     assert root["attributes"]["gen_ai.request.model"] == "tandem-demo-code"

@@ -28,6 +28,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from cluster.engine.kv_events import KVJournal
+
 
 def kv_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of one block across all layers, keys and values."""
@@ -53,13 +55,21 @@ class _Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.0,
+        prefix_caching: bool = True,
+        journal: KVJournal | None = None,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.watermark_blocks = int(watermark * num_blocks)
         self.prefix_caching = prefix_caching
+        self.journal = journal  # told of every block the cache registers and evicts
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evict first
         self._cached: dict[int, int] = {}  # chained hash -> block id
@@ -167,6 +177,8 @@ class BlockManager:
             if block.hash is None and h not in self._cached:
                 block.hash, block.tokens = h, chunk
                 self._cached[h] = block.id
+                if self.journal is not None:
+                    self.journal.stored(h)
 
     def trim(self, seq: Hashable, num_tokens: int) -> None:
         """Shrinks `seq`'s table to the blocks `num_tokens` tokens need (rejected speculative tokens
@@ -211,7 +223,7 @@ class BlockManager:
         hits, prev = [], 0
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
-            prev = hash((prev, chunk))
+            prev = hash((prev, chunk))  # as `kv_events.block_hashes`
             block_id = self._cached.get(prev)
             if block_id is None or self._blocks[block_id].tokens != chunk:  # compare against collisions
                 break
@@ -224,6 +236,8 @@ class BlockManager:
         if block.hash is not None:  # evict its cached contents
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if self.journal is not None:
+                    self.journal.removed(block.hash)
             block.hash, block.tokens = None, ()
         block.ref_count = 1
         return block_id
@@ -240,5 +254,7 @@ class BlockManager:
         assert len(self._free) + sum(1 for r in refs if r) == self.num_blocks
         for h, block_id in self._cached.items():
             assert self._blocks[block_id].hash == h, f"cache entry {h} points at block {block_id} with another hash"
+        if self.journal is not None:
+            assert self.journal.held() == set(self._cached), "the KV journal disagrees with the cache"
         for seq, table in self._tables.items():
             assert len(self._hashes[seq]) <= len(table), f"sequence {seq!r} hashes more blocks than it owns"

@@ -6,12 +6,12 @@ One transfer is a header, then one chunk per group of layers, then a commit:
             the token ids [0, num_tokens) (the last num_output_tokens of them output a moved
             request already generated), the sampling parameters, format version
     chunk   layers [layer_start, layer_start + layer_count): key and value tensors shaped
-            [layer_count, num_tokens, num_kv_heads, head_dim] as raw little-endian bytes (an int8
+            [layer_count, num_tokens - first_position, num_kv_heads, head_dim] as raw little-endian bytes (an int8
             cache's rows, values and scale, as they are: head_dim + 4 bytes), and the CRC32 of key
             followed by value
     commit  the first token, sampled by the prefill worker after the last layer
 
-The tensors are the positions [0, num_tokens) gathered out of the paged cache's
+The tensors are the positions [first_position, num_tokens) gathered out of the paged cache's
 `[num_blocks, block_size, num_kv_heads, head_dim]` layout, so either end may use any block size.
 Nothing is pickled: protobuf for the fields, raw bytes with explicit dtype and shape for tensors.
 Every error a receiver can report is a `TransferError` carrying the gRPC status code that names it.
@@ -72,6 +72,7 @@ class KVHeader:
     tag: int = 0
     format_version: int = FORMAT_VERSION
     num_output_tokens: int = 0  # of token_ids, the last ones that are output a moved request generated
+    first_position: int = 0  # the chunks carry [first_position, num_tokens): the receiver holds the rest
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +80,7 @@ class KVHeader:
 
     def chunk_shape(self, layer_count: int) -> tuple[int, int, int, int]:
         row = self.head_dim + (KV_SCALE_BYTES if self.dtype == "int8" else 0)
-        return (layer_count, self.num_tokens, self.num_kv_heads, row)
+        return (layer_count, self.num_tokens - self.first_position, self.num_kv_heads, row)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def encode_header(h: KVHeader) -> pb.KVTransferMessage:
             group_id=h.group_id,
             tag=h.tag,
             num_output_tokens=h.num_output_tokens,
+            first_position=h.first_position,
         )
     )
 
@@ -194,6 +196,12 @@ def decode_header(m: pb.KVHeader) -> KVHeader:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"num_output_tokens={m.num_output_tokens} leaves no prompt among {m.num_tokens} tokens",
         )
+    if m.first_position >= m.num_tokens or (m.block_size and m.first_position % m.block_size):
+        raise TransferError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"first_position={m.first_position} must be a multiple of block_size={m.block_size} below "
+            f"num_tokens={m.num_tokens}",
+        )
     try:
         sampling = params_from_proto(m.sampling)
     except ValueError as e:
@@ -213,6 +221,7 @@ def decode_header(m: pb.KVHeader) -> KVHeader:
         tag=m.tag,
         format_version=m.format_version,
         num_output_tokens=m.num_output_tokens,
+        first_position=m.first_position,
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import api_pb2 as tandem_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\"\xd8\x02\n\x08KVHeader\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nnum_tokens\x18\t \x01(\r\x12\x12\n\ncapability\x18\x0b \x01(\x0c\x12\x11\n\ttoken_ids\x18\x0c \x03(\r\x12+\n\x08sampling\x18\r \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08group_id\x18\x0e \x01(\t\x12\x0b\n\x03tag\x18\x0f \x01(\r\x12\x19\n\x11num_output_tokens\x18\x10 \x01(\rJ\x04\x08\n\x10\x0b\"a\n\x07KVChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x13\n\x0blayer_count\x18\x02 \x01(\r\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x07\"e\n\x08KVCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"\x91\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\t\n\x07payload\"8\n\x10KVTransferResult\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"U\n\nCapability\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nexpires_at\x18\x03 \x01(\x01\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\"p\n\x10JoinGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x11\n\x0fJoinGroupResult2\x97\x01\n\nKVTransfer\x12\x43\n\x04Push\x12\x1c.tandem.v1.KVTransferMessage\x1a\x1b.tandem.v1.KVTransferResult(\x01\x12\x44\n\tJoinGroup\x12\x1b.tandem.v1.JoinGroupRequest\x1a\x1a.tandem.v1.JoinGroupResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\"\xf0\x02\n\x08KVHeader\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nnum_tokens\x18\t \x01(\r\x12\x12\n\ncapability\x18\x0b \x01(\x0c\x12\x11\n\ttoken_ids\x18\x0c \x03(\r\x12+\n\x08sampling\x18\r \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08group_id\x18\x0e \x01(\t\x12\x0b\n\x03tag\x18\x0f \x01(\r\x12\x19\n\x11num_output_tokens\x18\x10 \x01(\r\x12\x16\n\x0e\x66irst_position\x18\x11 \x01(\rJ\x04\x08\n\x10\x0b\"a\n\x07KVChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x13\n\x0blayer_count\x18\x02 \x01(\r\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x07\"e\n\x08KVCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"\x91\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\t\n\x07payload\"8\n\x10KVTransferResult\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"U\n\nCapability\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nexpires_at\x18\x03 \x01(\x01\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\"p\n\x10JoinGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nstore_host\x18\x02 \x01(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x11\n\x0fJoinGroupResult2\x97\x01\n\nKVTransfer\x12\x43\n\x04Push\x12\x1c.tandem.v1.KVTransferMessage\x1a\x1b.tandem.v1.KVTransferResult(\x01\x12\x44\n\tJoinGroup\x12\x1b.tandem.v1.JoinGroupRequest\x1a\x1a.tandem.v1.JoinGroupResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_transfer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHEADER']._serialized_start=64
-  _globals['_KVHEADER']._serialized_end=408
-  _globals['_KVCHUNK']._serialized_start=410
-  _globals['_KVCHUNK']._serialized_end=507
-  _globals['_KVCOMMIT']._serialized_start=509
-  _globals['_KVCOMMIT']._serialized_end=610
-  _globals['_KVTRANSFERMESSAGE']._serialized_start=613
-  _globals['_KVTRANSFERMESSAGE']._serialized_end=758
-  _globals['_KVTRANSFERRESULT']._serialized_start=760
-  _globals['_KVTRANSFERRESULT']._serialized_end=816
-  _globals['_CAPABILITY']._serialized_start=818
-  _globals['_CAPABILITY']._serialized_end=903
-  _globals['_JOINGROUPREQUEST']._serialized_start=905
-  _globals['_JOINGROUPREQUEST']._serialized_end=1017
-  _globals['_JOINGROUPRESULT']._serialized_start=1019
-  _globals['_JOINGROUPRESULT']._serialized_end=1036
-  _globals['_KVTRANSFER']._serialized_start=1039
-  _globals['_KVTRANSFER']._serialized_end=1190
+  _globals['_KVHEADER']._serialized_end=432
+  _globals['_KVCHUNK']._serialized_start=434
+  _globals['_KVCHUNK']._serialized_end=531
+  _globals['_KVCOMMIT']._serialized_start=533
+  _globals['_KVCOMMIT']._serialized_end=634
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=637
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=782
+  _globals['_KVTRANSFERRESULT']._serialized_start=784
+  _globals['_KVTRANSFERRESULT']._serialized_end=840
+  _globals['_CAPABILITY']._serialized_start=842
+  _globals['_CAPABILITY']._serialized_end=927
+  _globals['_JOINGROUPREQUEST']._serialized_start=929
+  _globals['_JOINGROUPREQUEST']._serialized_end=1041
+  _globals['_JOINGROUPRESULT']._serialized_start=1043
+  _globals['_JOINGROUPRESULT']._serialized_end=1060
+  _globals['_KVTRANSFER']._serialized_start=1063
+  _globals['_KVTRANSFER']._serialized_end=1214
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_tokens", "capability", "token_ids", "sampling", "group_id", "tag", "num_output_tokens")
+    __slots__ = ("format_version", "request_id", "model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_tokens", "capability", "token_ids", "sampling", "group_id", "tag", "num_output_tokens", "first_position")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class KVHeader(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     request_id: str
     model_fingerprint: bytes
@@ -39,7 +40,8 @@ class KVHeader(_message.Message):
     group_id: str
     tag: int
     num_output_tokens: int
-    def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    first_position: int
+    def __init__(self, format_version: _Optional[int] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[bytes] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., first_position: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layer_start", "layer_count", "key", "value", "checksum")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability", "remote_prefill", "output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability", "remote_prefill", "output_token_ids", "decode_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _api_pb2.SamplingParams
@@ -23,7 +24,8 @@ class WorkerRequest(_message.Message):
     capability: bytes
     remote_prefill: bool
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ..., remote_prefill: _Optional[bool] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ..., remote_prefill: _Optional[bool] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "speculation", "beams", "num_prompt_tokens", "num_cached_tokens")
@@ -88,20 +90,38 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("min_interval_seconds", "heartbeat_seconds")
+    __slots__ = ("min_interval_seconds", "heartbeat_seconds", "kv_events")
     MIN_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     min_interval_seconds: float
     heartbeat_seconds: float
-    def __init__(self, min_interval_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
+    kv_events: bool
+    def __init__(self, min_interval_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., kv_events: _Optional[bool] = ...) -> None: ...
 
 class WorkerUpdate(_message.Message):
-    __slots__ = ("load", "sequence")
+    __slots__ = ("load", "sequence", "kv")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     load: WorkerLoad
     sequence: int
-    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    kv: KVEvents
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., sequence: _Optional[int] = ..., kv: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("first", "last", "stored", "removed", "snapshot")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    last: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    snapshot: bool
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
