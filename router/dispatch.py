@@ -78,27 +78,8 @@ class Dispatcher:
         except NoCapacity as e:
             stream.status = "rejected"
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        self.decisions[f"prefill={choice.reason}"] += 1
-        m = self.telemetry.metrics
-        m.placements.labels(choice.reason).inc()
-        m.placed_cached_blocks.labels(choice.reason).inc(choice.cached_blocks)
+        placed = await self._announce(choice, stream, context, trace_context)
         root = trace.get_current_span(trace_context)
-        root.set_attributes(
-            {
-                "tandem.prefill_mode": choice.reason.split(":")[0],
-                "tandem.placement": choice.reason,
-                "tandem.cached_blocks": choice.cached_blocks,
-            }
-        )
-        await context.send_initial_metadata(
-            (
-                ("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)),
-                ("tandem-decode", choice.decode), ("tandem-cached-blocks", str(choice.cached_blocks)),
-            )
-        )  # fmt: skip
-        placed = time.time()
-        self.telemetry.record("router.queue", trace_context, stream.received, placed, tandem__prefill=describe(choice))
-        self.telemetry.metrics.queue.labels("router").observe(placed - stream.received)
         metadata = [*self.view.pool.metadata, *trace_metadata(trace_context)]
         worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
         trusted = True  # ship only what the decode worker lacks, until a prefill attempt failed
@@ -129,6 +110,33 @@ class Dispatcher:
                 stream.migrated(self.tokenizer.decode)
                 event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
                 root.add_event("migration", {**event, "tandem.error": broken.details})
+
+    async def _announce(
+        self, choice: Choice, stream: Stream, context: grpc.aio.ServicerContext, trace_context: otel_context.Context
+    ) -> float:
+        """Makes the placement visible: counters, the request's trace, its response metadata.
+        Returns when it was placed (the end of `router.queue`)."""
+        self.decisions[f"prefill={choice.reason}"] += 1
+        m = self.telemetry.metrics
+        m.placements.labels(choice.reason).inc()
+        m.placed_cached_blocks.labels(choice.reason).inc(choice.cached_blocks)
+        trace.get_current_span(trace_context).set_attributes(
+            {
+                "tandem.prefill_mode": choice.reason.split(":")[0],
+                "tandem.placement": choice.reason,
+                "tandem.cached_blocks": choice.cached_blocks,
+            }
+        )
+        await context.send_initial_metadata(
+            (
+                ("tandem-request-id", stream.rid), ("tandem-prefill", describe(choice)),
+                ("tandem-decode", choice.decode), ("tandem-cached-blocks", str(choice.cached_blocks)),
+            )
+        )  # fmt: skip
+        placed = time.time()
+        self.telemetry.record("router.queue", trace_context, stream.received, placed, tandem__prefill=describe(choice))
+        m.queue.labels("router").observe(placed - stream.received)
+        return placed
 
     async def place(self, prompt: list[int], params: SamplingParams, wait_s: float) -> Choice:
         """Chooses workers from the view the workers push (no RPC here), waiting up to `wait_s` for
