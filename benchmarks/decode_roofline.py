@@ -287,6 +287,7 @@ def main() -> None:
         help="section 4's settings to run, comma-separated labels (default: all; bfloat16 always runs first)",
     )  # fmt: skip
     parser.add_argument("--batches", default=None, help="section 4's batch sizes, comma-separated (default: 1,16)")
+    parser.add_argument("--eager", action="store_true", help="section 4's steps not compiled")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = args.device
@@ -305,7 +306,8 @@ def main() -> None:
     if device == "cpu":
         quant_batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 4] if args.quick else [1, 16]
         chosen = None if args.settings is None else {"bfloat16", *args.settings.split(",")}
-        results["quantised"] = quantised(folder, quant_batches, repeat, kept, chosen)
+        results["quantised"] = quantised(folder, quant_batches, repeat, kept, chosen, args.eager)
+        results["quantised_mode"] = "eager" if args.eager else "compiled"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
@@ -350,15 +352,22 @@ QUANT_SETTINGS = (  # (label, weight dtype, KV cache dtype)
 
 
 def quantised(
-    folder: Path, batches: list[int], repeat: int, kept: Path | None = None, chosen: set[str] | None = None
+    folder: Path,
+    batches: list[int],
+    repeat: int,
+    kept: Path | None = None,
+    chosen: set[str] | None = None,
+    eager: bool = False,
 ) -> list[dict]:
     """Section 4: each setting's compiled decode step against the bfloat16 one, same run; `kept`: a
     folder of int4 weights kept from a GGUF file's Q4 blocks, run as one more setting; `chosen`:
-    the labels to run (None: all)."""
+    the labels to run (None: all); `eager`: steps not compiled (minutes of compilation saved per
+    setting where inductor is slow)."""
     from cluster.model.attention import kv_row_bytes
     from cluster.model.quant import weight_bytes
 
-    print(f"\nfewer bytes per token (bfloat16 activations, compiled decode, {CONTEXT}-token context)")
+    mode = "eager" if eager else "compiled"
+    print(f"\nfewer bytes per token (bfloat16 activations, {mode} decode, {CONTEXT}-token context)")
     print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}"
           f"{'vs bf16':>9}")  # fmt: skip
     rows: list[dict] = []
@@ -375,9 +384,11 @@ def quantised(
         model = load_model(source, "bfloat16", "cpu", weight_dtype=quantise, group_size=128)
         arch = model.arch
         cache = CacheConfig(block_size=16, num_blocks=max(batches) * (768 // 16 + 2), kv_dtype=kv)
-        engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=64), compile_buckets=batches)
+        buckets = () if eager else batches
+        engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=64), compile_buckets=buckets)
         start = time.perf_counter()
-        engine.runner.compiled.warm_up(engine.runner.kv_cache)
+        if not eager:
+            engine.runner.compiled.warm_up(engine.runner.kv_cache)
         compile_s = time.perf_counter() - start
         row_bytes = kv_row_bytes(arch.head_dim, 2, kv)
         for batch in batches:
@@ -480,7 +491,7 @@ def _plot(results: dict, path: Path) -> None:
         qa.axhline(1.0, color="grey", lw=0.8)
         qa.set_xticks(range(len(settings)), settings, rotation=20, ha="right")
         qa.set_ylabel("decode step speed-up over bfloat16")
-        qa.set_title("fewer bytes per token (compiled decode)")
+        qa.set_title(f"fewer bytes per token ({results.get('quantised_mode', 'compiled')} decode)")
         qa.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -104,7 +104,7 @@ async def converse(target: str, w: Workload, seed: int) -> list[Turn]:
                 turn.placement = dict(await call.initial_metadata()).get("tandem-prefill", "")
                 turns.append(turn)
                 history += turn.output
-                await asyncio.sleep(local.expovariate(1 / w.think_s))
+                await asyncio.sleep(local.expovariate(1 / w.think_s) if w.think_s else 0.0)
 
         await asyncio.gather(*(one(c) for c in range(w.conversations)))
     return turns

@@ -17,6 +17,16 @@
    that step every 0 s): the router process's CPU seconds per token relayed, beside the time per
    token a stream sees through the router minus straight to a worker. Goal: ≤ 0.1 ms.
 
+4. A real local cluster (`--cluster`, or alone with `--cluster-only`): the demo model, one prefill
+   and one decode worker with one CPU each, 64 prompts of 128 token ids, 64 tokens out. TPOT at
+   concurrency 1 beside the engine's own step (one `Engine` in this process, one thread, the same
+   requests one at a time), and output tokens/s at concurrency 32 beside the engine alone on the
+   same 64 requests (one and two threads). TTFT p50/p99 of remote prefill (128-token prompts) with
+   the prefill worker's first token streamed at once and without (`router.first_token_from_prefill`),
+   and of local prefill (32-token prompts), at concurrency 1, three routers over the same workers.
+   Goals: TPOT overhead at concurrency 1 ≤ 0.5 ms; throughput at 32 ≥ 0.8 of the engine alone on
+   equal cores (two threads).
+
 Every process shares this machine's cores (the fleet, each router and this load generator): on a
 2-core box the load generator and the fleet take CPU the router would otherwise have, so rates are
 floors for the router, and the breakdown says which process was busy. Prints a table and writes
@@ -295,6 +305,114 @@ def relay_rows(concurrencies: list[int], tokens_per_stream: int = 64) -> list[di
         stop(fleet)
 
 
+# -- 4. a real local cluster ----------------------------------------------------------------------------
+
+DEMO = ROOT / "models" / "tandem-demo-code"
+
+
+def cluster_config(first_token_from_prefill: bool = True):  # type: ignore[no-untyped-def]
+    from cluster.config import parse_config
+
+    return parse_config(
+        {
+            "model": {"path": str(DEMO), "dtype": "float32"},
+            "cache": {"block_size": 16, "num_blocks": 1024},
+            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+            "transfer": {"transport": "grpc"},
+            "router": {"max_queued_requests": 256, "first_token_from_prefill": first_token_from_prefill},
+            "prefill": {"num_cpus": 1},
+            "decode": {"num_cpus": 1},
+        }
+    )
+
+
+def bench_requests(n: int, prompt_len: int, output_len: int, seed: int = 0) -> list:
+    import random
+
+    from router.bench import BenchRequest
+
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(3, 2000) for _ in range(prompt_len)], output_len) for _ in range(n)]
+
+
+def drive(target: str, requests: list, concurrency: int) -> dict:
+    from router.bench import _drive, report
+
+    args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
+                              api_key=None, no_progress=True)  # fmt: skip
+    results, duration = asyncio.run(_drive(target, requests, args))
+    return report(results, duration, None)
+
+
+def engine_alone(requests: list, threads: int, concurrency: int) -> dict:
+    """The decode engine in this process on the same requests, `concurrency` at a time (eager, as the
+    decode worker steps): output tokens/s, and its mean time per output token after the first."""
+    import torch
+
+    from cluster.config import CacheConfig, SchedulerConfig
+    from cluster.engine.request import SamplingParams
+    from cluster.model.loader import load_model
+    from cluster.model.tokenizer import Tokenizer
+    from decode_worker.engine import Engine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = load_model(DEMO, "float32")
+        engine = Engine(model, Tokenizer(DEMO), CacheConfig(block_size=16, num_blocks=1024),
+                        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048))  # fmt: skip
+        pending, running, tokens, gaps = list(enumerate(requests)), {}, 0, []
+        start = time.perf_counter()
+        while pending or running:
+            while pending and len(running) < concurrency:
+                i, r = pending.pop(0)
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+                engine.add_request(str(i), r.prompt, params)
+                running[str(i)] = None
+            for out in engine.step():
+                now = time.perf_counter()
+                tokens += len(out.token_ids)
+                if running[out.request_id] is not None:
+                    gaps.append((now - running[out.request_id]) / max(1, len(out.token_ids)))
+                running[out.request_id] = now
+                if out.finished:
+                    del running[out.request_id]
+        duration = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+    return {"output_token_throughput": tokens / duration, "tpot_ms": statistics.mean(gaps) * 1e3}
+
+
+def cluster_rows(num_prompts: int) -> dict:
+    """Section 4: the serving path on a real local cluster beside the engine alone."""
+    import ray
+
+    from cluster.pools import ray_cluster
+    from router.server import from_config
+
+    long, short = bench_requests(num_prompts, 128, 64), bench_requests(16, 32, 16, seed=1)
+    ray.init(num_cpus=2, include_dashboard=False, namespace="tandem-router-scale", log_to_driver=False)
+    cluster = ray_cluster.start(cluster_config(), namespace="tandem-router-scale")
+    routers = {flag: from_config(cluster_config(flag), cluster.discover) for flag in (True, False)}
+    try:
+        targets = {flag: router.start("127.0.0.1:0") for flag, router in routers.items()}
+        drive(targets[True], bench_requests(4, 128, 8, seed=2), 4)  # warm-up: compiled paths, channels
+        out: dict = {"c1": drive(targets[True], long[:16], 1), "c32": drive(targets[True], long, 32)}
+        out["ttft"] = {
+            "remote, first token from prefill": drive(targets[True], long[:16], 1)["ttft_ms"],
+            "remote, first token from decode": drive(targets[False], long[:16], 1)["ttft_ms"],
+            "local prefill (32-token prompts)": drive(targets[True], short, 1)["ttft_ms"],
+        }
+    finally:
+        for router in routers.values():
+            router.stop()
+        cluster.shutdown()
+        ray.shutdown()
+    out["engine_c1"] = engine_alone(long[:16], threads=1, concurrency=1)
+    out["engine_c32"] = {str(t): engine_alone(long, threads=t, concurrency=32) for t in (1, 2)}  # JSON keys
+    return out
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
 
@@ -326,12 +444,29 @@ def print_table(results: dict) -> None:
     for r in results["relay"]:
         added, cpu = r["latency_ms_per_token"], r["relay_ms_per_token"]
         print(f"{r['concurrency']:>11} {r['direct_ms']:>13.3f} {r['router_ms']:>13.3f} {added:>12.3f} {cpu:>17.3f}")
+    if "cluster" in results:
+        print_cluster(results["cluster"])
     print("\nwhere the time goes")
     for line in breakdown(results):
         print(f"  {line}")
     print("\ngoals")
     for name, (value, goal, met) in results["goals"].items():
         print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
+
+
+def print_cluster(c: dict) -> None:
+    print("\nreal local cluster (demo model; 1 prefill + 1 decode worker, one CPU each), beside the engine alone")
+    print(f"{'':<34}{'cluster':>12}{'engine alone':>14}{'ratio':>8}")
+    tpot, engine = c["c1"]["tpot_ms"]["mean"], c["engine_c1"]["tpot_ms"]
+    print(f"{'TPOT ms, concurrency 1 (1 thread)':<34}{tpot:>12.2f}{engine:>14.2f}{tpot / engine:>8.2f}")
+    tput = c["c32"]["output_token_throughput"]
+    for threads, e in c["engine_c32"].items():
+        alone = e["output_token_throughput"]
+        label = f"output tok/s, conc. 32 ({threads} thr)"
+        print(f"{label:<34}{tput:>12.0f}{alone:>14.0f}{tput / alone:>8.2f}")
+    print(f"{'TTFT ms, concurrency 1':<34}{'p50':>12}{'p99':>14}")
+    for name, t in c["ttft"].items():
+        print(f"  {name:<32}{t['median']:>12.2f}{t['p99']:>14.2f}")
 
 
 def breakdown(results: dict) -> list[str]:
@@ -346,6 +481,8 @@ def breakdown(results: dict) -> list[str]:
             f" req/s (~{per_req / 33 * 1e3:.0f} us per gRPC message: 16 in, 16 out, one call; its Watch streams"
             f" alone keep {run['idle_router_cpu']:.0%} of a core busy); the fake fleet {fleet:.2f} ms per request"
         )
+    if "cluster" in results:
+        lines += cluster_breakdown(results["cluster"])
     lines.append(
         f"all processes share {os.cpu_count()} cores: when router + fleet + load generator fill them, a second router"
         " process has no core of its own to run on"
@@ -375,7 +512,31 @@ def goals(results: dict) -> dict:
     )
     worst = max(r["relay_ms_per_token"] for r in results["relay"])
     out["per-token relay, worst concurrency"] = (round(worst, 3), "<= 0.1 ms", worst <= 0.1)
+    if "cluster" in results:
+        out.update(cluster_goals(results["cluster"]))
     return out
+
+
+def cluster_breakdown(c: dict) -> list[str]:
+    tpot, engine = c["c1"]["tpot_ms"]["mean"], c["engine_c1"]["tpot_ms"]
+    itl = c["c1"]["itl_ms"]["mean"]
+    alone = c["engine_c32"]["2"]["output_token_throughput"]
+    return [
+        f"cluster at concurrency 1: {tpot - engine:.2f} ms per token over the engine's own step ({engine:.2f} ms):"
+        f" the decode worker's output queue and gRPC stream, the router's relay and the client (ITL {itl:.2f} ms)",
+        f"cluster at concurrency 32: {c['c32']['output_token_throughput']:.0f} tok/s against {alone:.0f} for the"
+        " engine alone on both cores: the decode worker has one core (the prefill worker the other, idle between"
+        " prompts), and the router and this load generator share them",
+    ]
+
+
+def cluster_goals(c: dict) -> dict:
+    over = c["c1"]["tpot_ms"]["mean"] - c["engine_c1"]["tpot_ms"]
+    ratio = c["c32"]["output_token_throughput"] / c["engine_c32"]["2"]["output_token_throughput"]
+    return {
+        "cluster TPOT overhead at concurrency 1": (round(over, 2), "<= 0.5 ms", over <= 0.5),
+        "cluster / engine throughput at 32, equal cores": (round(ratio, 2), ">= 0.8", ratio >= 0.8),
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -409,12 +570,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer workers, rates and seconds")
     parser.add_argument("--step-s", type=float, default=0.002, help="fake workers' time per token")
     parser.add_argument("--table", action="store_true", help="print the table of the last run's JSON, run nothing")
+    parser.add_argument("--cluster", action="store_true", help="also section 4, a real local cluster (Ray)")
+    parser.add_argument("--cluster-only", action="store_true", help="section 4 alone (router_scale_cluster.json)")
     parser.add_argument("--serve-router", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_router:
         return serve_router(args.serve_router)
     if args.table:
         return print_table(json.loads((OUT / "router_scale.json").read_text()))
+    if args.cluster_only:
+        return cluster_only(16 if args.quick else 64)
     sizes = [1, 16, 256, 1024]
     results: dict = {"placement": [placement_cost(n, 2000 if args.quick else 10000) for n in sizes]}
     rates = [50, 100, 200, 400, 1000] if args.quick else [50, 100, 150, 200, 300, 400, 600, 1000, 1500]
@@ -422,6 +587,8 @@ def main() -> None:
     layouts = [(16, 1), (256, 1), (256, 2)] if args.quick else [(w, r) for w in sizes for r in (1, 2)]
     results["rate"] = [rate_rows(w, r, rates, duration, args.step_s) for w, r in layouts]
     results["relay"] = relay_rows([1, 64, 512])
+    if args.cluster:
+        results["cluster"] = cluster_rows(16 if args.quick else 64)
     results["goals"] = goals(results)
     results["breakdown"] = breakdown(results)
     results["machine"] = {"cpus": os.cpu_count(), "note": "fleet, routers and load generator share these cores"}
@@ -430,6 +597,46 @@ def main() -> None:
     (OUT / "router_scale.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / "router_scale.png")
     print(f"\nwrote {OUT / 'router_scale.json'} and {OUT / 'router_scale.png'}")
+
+
+def cluster_only(num_prompts: int) -> None:
+    c = cluster_rows(num_prompts)
+    print_cluster(c)
+    result = {
+        "cluster": c,
+        "goals": cluster_goals(c),
+        "breakdown": cluster_breakdown(c),
+        "machine": {"cpus": os.cpu_count()},
+    }
+    print("\nwhere the time goes")
+    for line in cluster_breakdown(c):
+        print(f"  {line}")
+    print("\ngoals")
+    for name, (value, goal, met) in result["goals"].items():
+        print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "router_scale_cluster.json").write_text(json.dumps(result, indent=2))
+    plot_cluster(c, OUT / "router_scale_cluster.png")
+    print(f"\nwrote {OUT / 'router_scale_cluster.json'} and {OUT / 'router_scale_cluster.png'}")
+
+
+def plot_cluster(c: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(c["ttft"])
+    a.bar(range(len(names)), [c["ttft"][n]["median"] for n in names])
+    a.set_xticks(range(len(names)), [n.replace(", ", "\n") for n in names], fontsize=7)
+    a.set(ylabel="TTFT p50 ms", title="first token, concurrency 1")
+    labels = ["cluster", *[f"engine, {t} thr" for t in c["engine_c32"]]]
+    values = [c["c32"]["output_token_throughput"], *[e["output_token_throughput"] for e in c["engine_c32"].values()]]
+    b.bar(labels, values)
+    b.set(ylabel="output tok/s", title="concurrency 32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
