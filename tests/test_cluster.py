@@ -21,6 +21,7 @@ from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cluster.config import parse_config
 from cluster.engine.request import SamplingParams
+from cluster.generate import generate
 from cluster.model.loader import load_model
 from cluster.model.tokenizer import Tokenizer
 from cluster.pools import ray_cluster
@@ -320,6 +321,24 @@ def test_a_worker_that_dies_is_restarted_and_registered_again(grpc_cluster):
     with Client(address, timeout=60) as client:
         done = client.generate(list(range(500, 560)), max_tokens=6, temperature=0)
     assert len(done.token_ids) == 6
+
+
+def test_turn_2_returns_to_its_kv_on_the_ray_cluster_and_computes_only_its_new_tokens(grpc_cluster):
+    _, router, address = grpc_cluster
+    model = load_model(DEMO, "float32")
+    history = [(37 * i) % 1900 + 5 for i in range(33)]  # 33 + 16 output - 1 = three whole blocks computed
+    with Client(address, timeout=60) as client:
+        first = client.generate(history, max_tokens=16, temperature=0.0, ignore_eos=True)
+        decode = first.metadata["tandem-decode"]
+        deadline = time.monotonic() + 10  # until the router has heard the decode worker's cache events
+        while router.view.index.prefix.blocks_of(decode) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        history = [*history, *first.token_ids, 7, 8, 9, 10]
+        second = client.generate(history, max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = generate(model, [history], 8)[0].tokens
+    assert second.token_ids == expected
+    assert (second.metadata["tandem-decode"], second.metadata["tandem-prefill"]) == (decode, "local:cached-prefix")
+    assert second.cached_prompt_tokens == 48  # of 53 prompt tokens, the decode worker computed 5
 
 
 def test_chat_messages_go_through_the_models_chat_template(grpc_cluster):
