@@ -129,14 +129,17 @@ def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
     return StepPlan(tuple(chunks))
 
 
-def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tuple[float, float, float]:
+def tandem_step_time(
+    engine: Engine, batch: int, device: str, repeat: int, matmul: bool = True
+) -> tuple[float, float, float]:
     """The median decode step time, and this row's rooflines: the median memory read bandwidth and
     matrix-multiply rate (in the model's dtype) measured between runs of steps. This shared machine's
     bandwidth drifts during a run, from 25 to 80 GB/s, and its matmul rate dips when other work
     shares the cores, so each row is compared with the floors measured beside it. Steps are timed
     back to back, as a decode loop runs them. The first step after the floors is not timed: it pays
     for the probe's 256 MB sweep through the caches and the TLB (about 0.4 ms at batch 1 here),
-    which a decode loop never makes."""
+    which a decode loop never makes. Without `matmul` the matrix-multiply rate is not measured
+    (nan): a bfloat16 product takes seconds on a CPU without native bfloat16 arithmetic."""
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
     rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
     probe = _probe(device)
@@ -147,8 +150,10 @@ def tandem_step_time(engine: Engine, batch: int, device: str, repeat: int) -> tu
     for _ in range(repeat):
         steps += timed(lambda: engine.runner.execute(plan, rows), device, repeat=2, warmup=1)
         sums += timed(lambda: probe.sum(), device, repeat=1, warmup=0)
-        products += timed(lambda: a @ a, device, repeat=1, warmup=0)
-    return statistics.median(steps), probe.numel() * 4 / statistics.median(sums), matmul_rate(products, a)
+        if matmul:
+            products += timed(lambda: a @ a, device, repeat=1, warmup=0)
+    rate = matmul_rate(products, a) if matmul else float("nan")
+    return statistics.median(steps), probe.numel() * 4 / statistics.median(sums), rate
 
 
 class _TokenClock:
@@ -392,7 +397,7 @@ def quantised(
         compile_s = time.perf_counter() - start
         row_bytes = kv_row_bytes(arch.head_dim, 2, kv)
         for batch in batches:
-            t, bw, _ = tandem_step_time(engine, batch, "cpu", repeat)
+            t, bw, _ = tandem_step_time(engine, batch, "cpu", repeat, matmul=False)  # section 4 needs bandwidth only
             kv_bytes = batch * CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
             nbytes = weight_bytes(model) + kv_bytes
             base = next((r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16"), t)
