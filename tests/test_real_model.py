@@ -118,7 +118,9 @@ def served(smollm2):
         {
             "model": {"path": str(smollm2), "dtype": "float32", "name": "smollm2"},
             "cache": {"block_size": 16, "num_blocks": 64},
-            "router": {"local_prefill_max_tokens": lengths[1]},  # the two longer chats are prefilled remotely
+            # The two longer chats are prefilled remotely: placement by length alone (hash routing),
+            # since KV-aware routing would prefill them where the chat template's shared head is cached.
+            "router": {"local_prefill_max_tokens": lengths[1], "prefix_routing": "hash"},
         }
     )
     decode = decode_service.from_config(config, "decode-0")
