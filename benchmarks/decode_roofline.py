@@ -317,7 +317,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
     name += "_quant" if args.quant_only else ""
-    name += f"_{preset}" if args.model else ""
+    name += f"_{Path(args.model).stem}" if args.model else ""  # the file or folder it was given
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     _plot(results, out / f"{name}.png")
     print(f"\nwrote {out / name}.json and .png")
