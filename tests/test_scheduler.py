@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import zlib
 
 import pytest
 
@@ -21,7 +22,7 @@ def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, chunk=32, watermark
 
 
 def req(rid, prompt_len, max_tokens=8, **params):
-    prompt = [100 + (hash(rid) + i) % 50 for i in range(prompt_len)]
+    prompt = [100 + (zlib.crc32(rid.encode()) + i) % 50 for i in range(prompt_len)]  # the same in every run
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params))
 
 
@@ -173,8 +174,8 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
                 if r.finished:
                     done[r.request_id] = r
         s.blocks.check_integrity()
-        running_tokens = sum(r.num_computed_tokens for r in s.running)
-        assert running_tokens <= s.blocks.num_blocks * s.blocks.block_size
+        held = {b for r in s.running for b in s.blocks.block_table(r.request_id)}  # shared prefixes count once
+        assert len(held) <= s.blocks.num_blocks
     while s.has_work:
         plan = s.schedule()
         assert not plan.empty, "work left but nothing schedulable"
