@@ -20,6 +20,7 @@ import ray
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cluster.config import parse_config
+from cluster.engine.kv_events import block_hashes
 from cluster.engine.request import SamplingParams
 from cluster.generate import generate
 from cluster.model.loader import load_model
@@ -330,9 +331,19 @@ def test_turn_2_returns_to_its_kv_on_the_ray_cluster_and_computes_only_its_new_t
     with Client(address, timeout=60) as client:
         first = client.generate(history, max_tokens=16, temperature=0.0, ignore_eos=True)
         decode = first.metadata["tandem-decode"]
-        deadline = time.monotonic() + 10  # until the router has heard the decode worker's cache events
-        while router.view.index.prefix.blocks_of(decode) < 3 and time.monotonic() < deadline:
+        index = router.view.index
+
+        computed = block_hashes([*history, *first.token_ids[:-1]], 16)  # the three blocks turn 1 left
+
+        def heard() -> bool:  # the decode worker's cache events, and its load with the request gone
+            load = index.loads().get(decode)
+            held = index.prefix.match(computed).get(decode, 0)
+            return held == len(computed) == 3 and load is not None and load.running_seqs == 0
+
+        deadline = time.monotonic() + 30
+        while not heard() and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert heard(), (index.prefix.match(computed), index.loads().get(decode))
         history = [*history, *first.token_ids, 7, 8, 9, 10]
         second = client.generate(history, max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = generate(model, [history], 8)[0].tokens

@@ -57,19 +57,21 @@ def model():
     return load_model(DEMO, "float32")
 
 
-def wait_for_blocks(router, worker: str, blocks: int, within_s: float = 10) -> None:  # type: ignore[no-untyped-def]
-    """Until the router has heard that `worker` holds `blocks` blocks and is idle again (as a
-    user's next turn comes after a think time)."""
+def wait_for_blocks(router, worker: str, tokens: list[int], within_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    """Until the router has heard that `worker` holds the whole blocks of `tokens` and is idle
+    again (as a user's next turn comes after a think time)."""
     prefix, index = router.view.index.prefix, router.view.index
+    hashes = block_hashes(tokens, BLOCK)
 
-    def idle() -> bool:
+    def heard() -> bool:
         load = index.loads().get(worker)
-        return load is not None and load.running_seqs == 0 and load.free_kv_blocks == load.total_kv_blocks
+        idle = load is not None and load.running_seqs == 0 and load.free_kv_blocks == load.total_kv_blocks
+        return idle and prefix.match(hashes).get(worker, 0) == len(hashes)
 
     deadline = time.monotonic() + within_s
-    while (prefix.blocks_of(worker) < blocks or not idle()) and time.monotonic() < deadline:
+    while not heard() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert prefix.blocks_of(worker) >= blocks, (worker, prefix.blocks_of(worker))
+    assert heard(), (worker, prefix.match(hashes), len(hashes))
 
 
 def test_each_turn_returns_to_the_kv_it_left_and_computes_only_its_new_tokens(cluster, model):
@@ -83,8 +85,7 @@ def test_each_turn_returns_to_the_kv_it_left_and_computes_only_its_new_tokens(cl
             assert done.token_ids == expected, f"turn {turn + 1}"
             placed.append(done)
             decode = done.metadata["tandem-decode"]
-            computed = len(history) + len(done.token_ids) - 1  # the last token's KV is never computed
-            wait_for_blocks(router, decode, computed // BLOCK)
+            wait_for_blocks(router, decode, [*history, *done.token_ids[:-1]])  # the last token's KV is never computed
             history = [*history, *done.token_ids, *[(11 * i) % 400 + 3 for i in range(8)]]  # the next question
     first, second, third = placed
     assert first.metadata["tandem-prefill"].startswith("remote:")  # nothing cached: the prefill worker
@@ -106,7 +107,7 @@ def test_remote_prefill_ships_only_the_blocks_the_decode_worker_lacks(cluster, m
     with Client(address, timeout=60) as client:
         first = client.generate(history, max_tokens=16, temperature=0.0, ignore_eos=True)
         decode = first.metadata["tandem-decode"]
-        wait_for_blocks(router, decode, (len(history) + 15) // BLOCK)
+        wait_for_blocks(router, decode, [*history, *first.token_ids[:-1]])
         history = [*history, *first.token_ids, *[(17 * i) % 400 + 3 for i in range(40)]]  # too much to prefill there
         sent = kv_bytes._sum.get()
         second = client.generate(history, max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -150,8 +151,10 @@ def test_a_gap_in_a_workers_events_resynchronises_its_stream_without_leaving_pla
     while view.resyncs == resyncs and time.monotonic() < deadline:
         time.sleep(0.02)
     assert view.resyncs > resyncs
-    wait_for_blocks(router, name, held)
-    assert prefix.blocks_of(name) == len(workers[name].engine.kv_journal.held())  # the snapshot: all it holds
+    journal = workers[name].engine.kv_journal
+    while prefix.blocks_of(name) != len(journal.held()) and time.monotonic() < deadline + 10:
+        time.sleep(0.02)
+    assert prefix.blocks_of(name) == len(journal.held()) >= held  # the snapshot: all it holds
     assert name in view.index.loads()
 
 
