@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import api_pb2, worker_pb2
 
-from cluster.engine.kv_events import KVJournal
+from cluster.engine.kv_events import KVBatch, KVJournal
 from cluster.engine.request import SamplingParams, params_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -97,6 +97,13 @@ def admit_submit(
     return params
 
 
+def kv_events_message(batch: KVBatch) -> worker_pb2.KVEvents:
+    """A journal's batch as `WorkerUpdate.kv` carries it."""
+    return worker_pb2.KVEvents(
+        first=batch.first, last=batch.last, stored=batch.stored, removed=batch.removed, snapshot=batch.snapshot
+    )
+
+
 def watch_loads(
     load: Callable[[], worker_pb2.WorkerLoad],
     request: worker_pb2.WatchRequest,
@@ -120,12 +127,7 @@ def watch_loads(
             sequence += 1
             update = worker_pb2.WorkerUpdate(load=current, sequence=sequence)
             if batch is not None:
-                update.kv.CopyFrom(
-                    worker_pb2.KVEvents(
-                        first=batch.first, last=batch.last, stored=batch.stored, removed=batch.removed,
-                        snapshot=batch.snapshot,
-                    )
-                )  # fmt: skip
+                update.kv.CopyFrom(kv_events_message(batch))
                 cursor = batch.last
             yield update
             last, sent_at = current, now

@@ -28,7 +28,7 @@ import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.engine.kv_events import KVJournal, block_hashes
-from cluster.grpc_server import message_options
+from cluster.grpc_server import kv_events_message, message_options
 
 VOCAB = 1000
 
@@ -245,12 +245,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 update = worker_pb2.WorkerUpdate(load=current if current != last else None, sequence=sequence)
                 batch = None if journal is None else journal.since(cursor)
                 if batch is not None:
-                    update.kv.CopyFrom(
-                        worker_pb2.KVEvents(
-                            first=batch.first, last=batch.last, stored=batch.stored, removed=batch.removed,
-                            snapshot=batch.snapshot,
-                        )
-                    )  # fmt: skip
+                    update.kv.CopyFrom(kv_events_message(batch))
                     cursor = batch.last
                 yield update
                 last = current
