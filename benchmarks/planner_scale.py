@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/planner_scale.py [--profile P] [--workers 1000] [--requests 1000000]
 
 1. Scale: `--workers` workers (a P:D split of them) serving `--requests` short-chat requests at
-   about 70 % of the layout's capacity, simulated once; prints the wall time it took, the
-   simulated span, steps and events per second.
+   about 70 % of the layout's capacity, simulated once, in `--shards` processes (one a core:
+   `planner.shards`); prints the wall time it took, the simulated span, steps and steps per second.
 2. Goodput per worker against the P:D split of `--split-workers` workers for three workloads
    (short chat, long-context RAG, code completion): colocated, then 1:N-1 ... N-1:1, each at the
    default knobs. SLOs are set per workload from this machine's own latencies: TTFT 3x and TPOT 2x
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from cluster.slo import Targets  # noqa: E402
 from planner import profile as profiles  # noqa: E402
 from planner import search, workload  # noqa: E402
-from planner.sim import Layout, Simulator  # noqa: E402
+from planner.shards import simulate_sharded  # noqa: E402
+from planner.sim import Layout  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 WORKLOADS = {"short chat": "short-chat", "long-context RAG": "rag", "code completion": "code"}
@@ -70,7 +71,7 @@ def splits(prof: profiles.Profile, workers: int, requests: int) -> dict:
     return out
 
 
-def scale(prof: profiles.Profile, workers: int, requests: int, prefill_share: float) -> dict:
+def scale(prof: profiles.Profile, workers: int, requests: int, prefill_share: float, shards: int) -> dict:
     wl = workload.load("short-chat")
     targets = lone_slo(prof, wl)
     small = search.Evaluator(prof, wl, targets, requests=400)
@@ -79,22 +80,14 @@ def scale(prof: profiles.Profile, workers: int, requests: int, prefill_share: fl
     n_prefill = max(1, round(workers * prefill_share))
     layout = replace(base_layout(), prefill=n_prefill, decode=workers - n_prefill)
     rate = 0.7 * per_worker * workers
-    sim = Simulator(prof, layout, seed=0)
     start = time.perf_counter()
-    done = threading.Event()
-
-    def report_progress() -> None:
-        while not done.wait(30):
-            print(f"  {sim.recorder.arrived} requests arrived, {time.perf_counter() - start:.0f} s", flush=True)
-
-    threading.Thread(target=report_progress, daemon=True).start()
-    result = sim.run(wl.with_rate(rate).with_requests(requests))
-    done.set()
+    result = simulate_sharded(prof, layout, wl.with_rate(rate).with_requests(requests), shards)
     wall = time.perf_counter() - start
     summary = result.summary(targets)
     return {
-        "layout": layout.name, "workers": workers, "requests": requests, "rate_req_s": rate, "wall_s": wall,
-        "simulated_s": result.duration_s, "steps": result.steps, "steps_per_wall_s": result.steps / wall,
+        "layout": layout.name, "workers": workers, "requests": requests, "shards": shards, "rate_req_s": rate,
+        "wall_s": wall, "simulated_s": result.duration_s, "steps": result.steps,
+        "steps_per_wall_s": result.steps / wall,
         "requests_per_wall_s": requests / wall, "summary": summary,
     }  # fmt: skip
 
@@ -129,6 +122,12 @@ def main() -> None:
     parser.add_argument("--prefill-share", type=float, default=0.25, help="share of the scale run's workers prefilling")
     parser.add_argument("--split-workers", type=int, default=8)
     parser.add_argument("--split-requests", type=int, default=400, help="requests per simulation in the splits")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="processes the scale run is split over (planner.shards; default: one a core)",
+    )
     parser.add_argument("--skip-scale", action="store_true")
     args = parser.parse_args()
     prof = profiles.load(args.profile)
@@ -147,8 +146,8 @@ def main() -> None:
     (OUT / "planner_scale.json").write_text(json.dumps(data, indent=1))
     plot(data, OUT / "planner_scale.png")
     if not args.skip_scale:
-        print(f"\nscale: {args.workers} workers, {args.requests} requests ...", flush=True)
-        s = data["scale"] = scale(prof, args.workers, args.requests, args.prefill_share)
+        print(f"\nscale: {args.workers} workers, {args.requests} requests, {args.shards} shards ...", flush=True)
+        s = data["scale"] = scale(prof, args.workers, args.requests, args.prefill_share, args.shards)
         print(
             f"{'layout':<12}{'requests':>10}{'rate':>9}{'simulated':>11}{'wall':>9}{'steps':>12}{'steps/s':>10}"
             f"{'TTFT p99':>10}{'TPOT p99':>10}\n{s['layout']:<12}{s['requests']:>10}{s['rate_req_s']:>8.0f}/s"

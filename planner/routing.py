@@ -90,4 +90,4 @@ class Placer:
     def _candidates(self, names: list[str]) -> Sequence[str]:
         if len(names) <= self.exact_up_to:
             return names
-        return self.rng.sample(names, self.sample)
+        return self.rng.sample(names, min(self.sample, len(names)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
@@ -65,7 +65,9 @@ class Layout:
 
 
 class Simulator:
-    def __init__(self, profile: Profile, layout: Layout, seed: int = 0, itl_every: int = 20) -> None:
+    def __init__(
+        self, profile: Profile, layout: Layout, seed: int = 0, itl_every: int = 20, exact_up_to: int = 64
+    ) -> None:
         self.profile = profile
         self.layout = layout
         self.now = 0.0
@@ -82,7 +84,7 @@ class Simulator:
         self._born: dict[str, float] = {}
         self._count = itertools.count()
         local = layout.local_prefill_max_tokens if layout.prefill else 10**12
-        self.placer = Placer(self._load, profile.block_size, local, seed=seed)
+        self.placer = Placer(self._load, profile.block_size, local, exact_up_to=exact_up_to, seed=seed)
         for _ in range(layout.decode):
             self.add_worker("decode", 0.0)
         for _ in range(layout.prefill):
@@ -196,11 +198,14 @@ class Simulator:
 
     # -- running -----------------------------------------------------------------------------------
 
-    def run(self, workload: Workload, seed: int = 0, until: float | None = None) -> SimResult:
-        stream = enumerate(arrivals(workload, seed))
+    def run(
+        self, workload: Workload, seed: int = 0, until: float | None = None, stream: Iterable[Arrival] | None = None
+    ) -> SimResult:
+        """Serves `workload`'s arrivals (or `stream`, arrivals drawn elsewhere) until the last finishes."""
+        numbered = enumerate(arrivals(workload, seed) if stream is None else stream)
 
         def next_arrival() -> None:
-            item = next(stream, None)
+            item = next(numbered, None)
             if item is None:
                 self.pending_arrivals = False
                 return
