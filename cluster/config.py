@@ -190,6 +190,12 @@ class AutoscalingConfig(_Part):
     drain_grace_s: float = Field(
         default=2.0, ge=0, description="A draining worker is stopped no sooner than this after it stopped taking work."
     )
+    planned_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="The planner's target for this pool (`tandem plan`'s targets at the expected load): the pool "
+        "grows to it at once and never shrinks below it; its signals may take it higher. None: signals only.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:

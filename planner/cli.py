@@ -110,10 +110,16 @@ def _plan(args: argparse.Namespace) -> int:
         result = search.plan(evaluator, base, args.workers, exhaustive=args.exhaustive, progress=lambda _: bar.update())
     print(search.table(result))
     rec = result.recommended
+    targets_now = result.targets_for(float(wl.rate or 1))
     verdict = "colocated (disaggregation does not pay here)" if rec.layout.prefill == 0 else rec.layout.name
     print(
         f"recommended: {verdict}, {rec.goodput:.2f} req/s within the SLOs ({rec.goodput_per_worker:.3f} per worker); "
-        f"for {wl.rate} req/s: {result.targets_for(float(wl.rate or 1))} workers"
+        f"for {wl.rate} req/s: {targets_now} workers"
+    )
+    print(
+        "apply to a running cluster (predictive autoscaling): "
+        + "; ".join(f"tandem scale {pool} --plan {n}" for pool, n in targets_now.items() if n)
+        + " (or each pool's autoscaling.planned_replicas in the config)"
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

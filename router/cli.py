@@ -110,9 +110,14 @@ def _parser() -> argparse.ArgumentParser:
     bench_module.add_arguments(bench)
     bench.set_defaults(run=lambda a: bench_module.run(a) and 0)
 
-    scale = commands.add_parser("scale", help="hold a pool at N workers by hand, or give it back to its autoscaler")
+    scale = commands.add_parser(
+        "scale", help="hold a pool at N workers by hand, give it back to its autoscaler, or set its planned target"
+    )
     scale.add_argument("pool", choices=["prefill", "decode"], help="the pool")
-    scale.add_argument("replicas", help="workers to hold the pool at, or 'auto' to clear the override")
+    scale.add_argument("replicas", nargs="?", help="workers to hold the pool at, or 'auto' to clear the override")
+    scale.add_argument(
+        "--plan", default=None, help="the planner's target for the pool (predictive autoscaling), or 'none' to clear it"
+    )
     scale.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default: {DEFAULT_TARGET})")
     scale.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
     scale.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
@@ -316,9 +321,15 @@ def _key(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _scale(args: argparse.Namespace) -> int:
+    if (args.replicas is None) == (args.plan is None):
+        raise ValueError("give the workers to hold the pool at (or 'auto'), or --plan N (or --plan none): one of them")
     request = worker_pb2.ScaleRequest(pool=args.pool)
-    if args.replicas != "auto":
-        request.replicas = int(args.replicas)
+    if args.plan == "none":
+        request.clear_planned = True
+    elif args.plan is not None:
+        request.planned = _count(args.plan, "--plan")
+    elif args.replicas != "auto":
+        request.replicas = _count(args.replicas, "replicas")
     with _channel(args) as channel:
         try:
             pool = worker_pb2_grpc.AdminStub(channel).Scale(request, timeout=60, metadata=_key(args)).pool
@@ -328,10 +339,18 @@ def _scale(args: argparse.Namespace) -> int:
     held = (
         f"held at {pool.override} by hand until `tandem scale {pool.role} auto`"
         if pool.HasField("override")
+        else f"autoscaled, never below the plan's {pool.planned}"
+        if pool.HasField("planned")
         else "autoscaled"
     )
     print(f"{pool.role} pool: target {pool.target} ({held}); serving {', '.join(pool.workers) or 'none'}")
     return 0
+
+
+def _count(text: str, name: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"{name} takes a number of workers, not {text!r}")
+    return int(text)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -366,6 +385,7 @@ def _status(args: argparse.Namespace) -> int:
         print("placement: " + ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())))
     for pool in status.pools:
         held = f", held at {pool.override} by hand" if pool.HasField("override") else ""
+        held += f", planned {pool.planned}" if pool.HasField("planned") else ""
         draining = f", draining {', '.join(pool.draining)}" if pool.draining else ""
         print(
             f"{pool.role} pool: {len(pool.workers)} serving, target {pool.target} "

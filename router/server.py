@@ -36,6 +36,7 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.auth import RequireKey, client_keys, secret_metadata
 from cluster.config import ClusterConfig
+from cluster.engine.structured import for_tokenizer
 from cluster.model.arch import ModelArch
 from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
@@ -70,6 +71,8 @@ class Router(worker_pb2_grpc.AdminServicer):
         self.telemetry = telemetry
         self.slo = SLOWindow(settings.slo.window_s)
         self.tokenizer = tokenizer
+        # Structured-output constraints are compiled here to refuse bad ones (cached by hash).
+        self.grammars = for_tokenizer(tokenizer, settings.limits.vocab_size, settings.eos_token_ids)
         self.pool = pool
         self.loop = LoopThread()
         prefix = PrefixIndex(settings.prefix_index_max_blocks) if settings.prefix_routing == "kv" else None
@@ -181,7 +184,7 @@ class Router(worker_pb2_grpc.AdminServicer):
         )  # fmt: skip
         status, admitted, abort = "error", False, None
         try:
-            prompt, params = validate(request, self.settings.limits, self.tokenizer)
+            prompt, params = validate(request, self.settings.limits, self.tokenizer, self.grammars)
             if self._draining:
                 status = "rejected"
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry elsewhere")
@@ -226,9 +229,18 @@ class Router(worker_pb2_grpc.AdminServicer):
     async def Scale(self, request: worker_pb2.ScaleRequest, context) -> worker_pb2.ScaleResult:  # type: ignore[no-untyped-def,override]
         if self.pools is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no pool controllers to scale")
-        replicas = request.replicas if request.HasField("replicas") else None
+        replan = request.HasField("planned") or request.clear_planned
+        if replan and (request.HasField("replicas") or (request.HasField("planned") and request.clear_planned)):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a Scale request sets replicas, planned or clear_planned: one of them"
+            )
         try:
-            pool = await asyncio.to_thread(self.pools.scale, request.pool, replicas)  # type: ignore[union-attr]
+            if replan:
+                planned = request.planned if request.HasField("planned") else None
+                pool = await asyncio.to_thread(self.pools.plan, request.pool, planned)  # type: ignore[union-attr]
+            else:
+                replicas = request.replicas if request.HasField("replicas") else None
+                pool = await asyncio.to_thread(self.pools.scale, request.pool, replicas)  # type: ignore[union-attr]
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return worker_pb2.ScaleResult(pool=pool)

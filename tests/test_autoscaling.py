@@ -158,3 +158,38 @@ def test_scale_up_starts_new_names_and_autoscaling_resumes_after_the_override():
     c.tick(now=1.0)
     assert c.serving == ["decode-0", "decode-1"] and c.status().scale_ups == 1
     assert "scale up: running sequences" in c.status().reason
+
+
+def test_a_planned_target_grows_the_pool_at_once_and_holds_it_while_the_signals_ask_for_less():
+    c, _ = controller(replicas=1, max_replicas=4, max_step=4, upscale_delay_s=60, downscale_delay_s=0)
+    c.set_plan(3)
+    c.tick(now=0.0)
+    assert c.serving == ["decode-0", "decode-1", "decode-2"], "the plan needs no upscale delay"
+    status = c.status()
+    assert status.planned == 3 and status.target == 3 and "scale up to plan" in status.reason
+    c.tick(now=100.0)  # idle pool: the signals alone would drain to the minimum
+    assert len(c.serving) == 3 and not c.draining
+
+
+def test_the_signals_take_a_planned_pool_above_its_plan_and_clearing_the_plan_lets_it_shrink():
+    c, ops = controller(replicas=1, max_replicas=4, target_running_seqs=2, upscale_delay_s=5, downscale_delay_s=0)
+    c.set_plan(2)
+    c.tick(now=0.0)
+    ops.running.update({"decode-0": 4, "decode-1": 4})  # 4 a worker against a target of 2: 4 workers wanted
+    c.tick(now=1.0)
+    assert len(c.serving) == 2, "above the plan, the signals keep their delay"
+    c.tick(now=7.0)
+    assert len(c.serving) == 3
+    ops.running.update({name: 0 for name in ops.running})
+    c.tick(now=8.0)
+    assert len(c.serving) == 2, "back down to the plan, not below it"
+    c.set_plan(None)
+    c.tick(now=9.0)
+    assert len(c.serving) == 1 and not c.status().HasField("planned")
+
+
+def test_the_configs_planned_replicas_is_the_initial_plan():
+    c, _ = controller(replicas=1, planned_replicas=2)
+    assert c.planned == 2
+    c.tick(now=0.0)
+    assert len(c.serving) == 2

@@ -184,3 +184,24 @@ def handle_load(handle, name: str):
     from tandem.v1 import worker_pb2
 
     return worker_pb2.WorkerLoad.FromString(ray.get(handle.actor(name).load.remote()))
+
+
+def test_a_planned_target_set_through_the_router_grows_an_idle_pool_and_clearing_it_shrinks_it(cluster):
+    import grpc
+    from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    handle, address = cluster
+    wait_for(lambda: serving(handle)["decode"] == 1, 60, "the decode pool at its minimum")
+    with grpc.insecure_channel(address) as channel:
+        admin = worker_pb2_grpc.AdminStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            admin.Scale(worker_pb2.ScaleRequest(pool="decode", replicas=1, planned=2), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        pool = admin.Scale(worker_pb2.ScaleRequest(pool="decode", planned=2), timeout=60).pool
+        assert pool.planned == 2 and pool.target == 2 and not pool.HasField("override")
+        wait_for(lambda: serving(handle)["decode"] == 2 and len(handle.discover()) == 3, 180, "the planned worker")
+        time.sleep(3 * SCALING["downscale_delay_s"])  # idle: the signals alone would have shrunk the pool by now
+        assert serving(handle)["decode"] == 2
+        pool = admin.Scale(worker_pb2.ScaleRequest(pool="decode", clear_planned=True), timeout=60).pool
+        assert not pool.HasField("planned")
+    wait_for(lambda: serving(handle)["decode"] == 1, 60, "the pool back at its minimum once the plan is cleared")

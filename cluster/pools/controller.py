@@ -4,7 +4,8 @@ operations come in as `WorkerOps` (Ray actors in `cluster.pools.ray_cluster`, a 
 Each `tick(now)`:
 
     read      every serving worker's load (and the router's recent TTFT / TPOT)
-    decide    `cluster.pools.autoscaling.decide` -> the target and its reason (logged and counted)
+    decide    `cluster.pools.autoscaling.decide` -> the target and its reason (logged and counted); with
+              a planned target (`set_plan`, or the config's `planned_replicas`), the predictive mode
     grow      start workers named `<role>-<n>` until the serving count reaches the target
     shrink    drain the surplus, the least loaded first: the worker reports itself draining, so the
               router sends it nothing new; it finishes its running sequences and outstanding KV
@@ -61,11 +62,14 @@ class PoolController:
     last: Decision | None = None
     scale_ups: int = 0
     scale_downs: int = 0
+    planned: int | None = None  # the planner's target (predictive mode); None: the signals alone
     _next_index: int = 0
     _state: PolicyState | None = None
 
     def __post_init__(self) -> None:
         self._state = PolicyState(self.pool.replicas)
+        if self.planned is None:
+            self.planned = self.pool.autoscaling.planned_replicas
 
     def start(self) -> list[str]:
         """Starts the pool's initial workers; returns their names."""
@@ -77,11 +81,15 @@ class PoolController:
         assert self._state is not None
         self._state = PolicyState(self._state.target, override=replicas)
 
+    def set_plan(self, planned: int | None) -> None:
+        """The planner's target for the pool (None clears it); the next tick acts on it."""
+        self.planned = planned
+
     def tick(self, now: float | None = None) -> Decision:
         now = self.clock() if now is None else now
         assert self._state is not None
         loads = [load for name in self.serving if (load := self.ops.load(name)) is not None]
-        decision = decide(self.role, self.pool.autoscaling, self._signals(loads), self._state, now)
+        decision = decide(self.role, self.pool.autoscaling, self._signals(loads), self._state, now, self.planned)
         if decision.target != self._state.target:
             direction = "up" if decision.target > self._state.target else "down"
             self.scale_ups += direction == "up"
@@ -117,6 +125,8 @@ class PoolController:
         )  # fmt: skip
         if self._state.override is not None:
             status.override = self._state.override
+        if self.planned is not None:
+            status.planned = self.planned
         return status
 
     def stop_all(self) -> None:

@@ -193,6 +193,12 @@ class PoolActor:
             self.controller.tick()
             return self.controller.status().SerializeToString()
 
+    def plan(self, planned: int | None) -> bytes:
+        with self._lock:
+            self.controller.set_plan(planned)
+            self.controller.tick()
+            return self.controller.status().SerializeToString()
+
     def drain(self, name: str) -> None:
         with self._lock:
             self.controller.begin_drain(name)
@@ -269,6 +275,12 @@ class RayCluster:
         if f"pool-{role}" not in self.actors:
             raise ValueError(f"no pool {role!r} (pools: {', '.join(POOLS)})")
         return worker_pb2.PoolStatus.FromString(self._ask(f"pool-{role}", "scale", replicas))
+
+    def plan(self, role: str, planned: int | None) -> worker_pb2.PoolStatus:
+        """Gives a pool the planner's target (None clears it): the predictive autoscaler."""
+        if f"pool-{role}" not in self.actors:
+            raise ValueError(f"no pool {role!r} (pools: {', '.join(POOLS)})")
+        return worker_pb2.PoolStatus.FromString(self._ask(f"pool-{role}", "plan", planned))
 
     def pool_status(self) -> list[worker_pb2.PoolStatus]:
         return [worker_pb2.PoolStatus.FromString(self._ask(f"pool-{role}", "status")) for role in POOLS]

@@ -134,12 +134,16 @@ class DrainResult(_message.Message):
     def __init__(self, remaining_seqs: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("pool", "replicas")
+    __slots__ = ("pool", "replicas", "planned", "clear_planned")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_PLANNED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     replicas: int
-    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+    planned: int
+    clear_planned: bool
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ..., planned: _Optional[int] = ..., clear_planned: _Optional[bool] = ...) -> None: ...
 
 class ScaleResult(_message.Message):
     __slots__ = ("pool",)
@@ -148,7 +152,7 @@ class ScaleResult(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolStatus, _Mapping]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("role", "target", "workers", "draining", "reason", "override", "min_replicas", "max_replicas", "scale_ups", "scale_downs")
+    __slots__ = ("role", "target", "workers", "draining", "reason", "override", "min_replicas", "max_replicas", "scale_ups", "scale_downs", "planned")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +163,7 @@ class PoolStatus(_message.Message):
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SCALE_UPS_FIELD_NUMBER: _ClassVar[int]
     SCALE_DOWNS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
     role: str
     target: int
     workers: _containers.RepeatedScalarFieldContainer[str]
@@ -169,7 +174,8 @@ class PoolStatus(_message.Message):
     max_replicas: int
     scale_ups: int
     scale_downs: int
-    def __init__(self, role: _Optional[str] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., override: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ...) -> None: ...
+    planned: int
+    def __init__(self, role: _Optional[str] = ..., target: _Optional[int] = ..., workers: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., override: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., scale_ups: _Optional[int] = ..., scale_downs: _Optional[int] = ..., planned: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

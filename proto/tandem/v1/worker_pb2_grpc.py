@@ -309,7 +309,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Scale(self, request, context):
-        """Sets a pool's size by hand; the pool's autoscaler keeps it there until the override is cleared.
+        """Sets a pool's size by hand (the pool's autoscaler keeps it there until the override is cleared),
+        or the planner's target for it (the predictive autoscaler grows to it and stays at or above it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
