@@ -37,6 +37,7 @@ from cluster.engine.model_runner import ModelRunner, num_kv_blocks
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan
 from cluster.engine.sampler import Draft, Sampler, SampleRow, TokenLogprob
 from cluster.engine.speculative import DraftProposer, Proposer
+from cluster.engine.structured import Grammars, PendingMasks, grammatical
 from cluster.model.causal_lm import CausalLM
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.scheduler import Scheduler
@@ -86,6 +87,7 @@ class Engine:
         compile_buckets: Sequence[int] = (),
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
         self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
@@ -111,6 +113,7 @@ class Engine:
         self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.grammars = grammars  # structured output; None refuses constrained requests
 
     def warm_up(self) -> None:
         """Compiles every decode bucket now (the target's, and the draft model's when it has its
@@ -138,6 +141,7 @@ class Engine:
         tokens already in this worker's prefix cache). Raises KeyError for an id in use, ValueError
         for a request that can never run here, MemoryError when it does not fit now."""
         request = _request(request_id, token_ids, params, num_output)
+        self._constrain(request)  # a constraint this worker cannot compile is refused before any block
         with self.lock:
             if request_id in self._reserved or request_id in self.scheduler.requests:
                 raise KeyError(f"request id {request_id!r} is already in use on this worker")
@@ -172,12 +176,15 @@ class Engine:
         """Puts a reserved sequence whose KV has fully landed into the running batch (`token_ids`
         and `num_output` as reserved)."""
         request = _request(request_id, token_ids, params, num_output)
+        self._constrain(request)
         with self.lock:
             if request_id not in self._reserved:
                 raise KeyError(f"no reservation for request {request_id!r}")
             self._reserved.discard(request_id)
             self._open_stream(request)  # before the first token joins the output: it is decoded as new text
             self.scheduler.admit(request, first_token)
+            if request.matcher is not None:
+                request.matcher.consume([first_token])
             self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
 
     def add_request(
@@ -192,6 +199,7 @@ class Engine:
         Raises ValueError (nothing queued) if it can never run here."""
         tokens = [*prompt_token_ids, *output_token_ids]
         request = _request(request_id, tokens, params, len(output_token_ids))
+        self._constrain(request)
         with self.lock:
             if request_id in self._reserved:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -200,6 +208,16 @@ class Engine:
             else:
                 self.scheduler.add(request)
             self._open_stream(request)
+
+    def _constrain(self, request: Request) -> None:
+        """Gives a constrained request its matcher, replayed over the output it already has (made
+        on a prefill worker, or before it moved here); ValueError if it cannot be compiled here."""
+        c = request.params.structured
+        if c is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output is not available on this worker (no tokenizer)")
+        request.matcher = self.grammars.matcher(c, request.output_token_ids)
 
     def _open_stream(self, request: Request) -> None:
         # The context is every token so far, so that the first new token decodes as it would inline.
@@ -240,6 +258,9 @@ class Engine:
         for request in self.scheduler.update(stepped, sampled):
             new = request.output_token_ids[before[request.request_id] :]
             outputs.append(self._output(request, new, lps.get(request.request_id)))
+        for c in sampling:
+            if c.request.matcher is not None and not c.request.finished:
+                c.request.matcher.consume(c.request.output_token_ids[before[c.request.request_id] :])
         outputs += [self._beam_output(result) for result in self.beams.advance(beam_logits)]
         if self.proposer is not None:
             self.proposer.retain(self.scheduler.requests)  # finished requests' draft state goes now
@@ -252,26 +273,39 @@ class Engine:
         A plain step samples one token per request (through a compiled graph when it can); a step
         with drafts or beams takes the logits of every row and verifies or hands them on."""
         if not drafts and len(sampling) == sum(c.samples for c in plan.chunks):
-            result = self.runner.execute(plan, [self._row(c.request) for c in sampling])
+            rows = [self._row(c.request) for c in sampling]
+            masks = self._masks([(i, c.request, ()) for i, c in enumerate(sampling)])
+            result = self.runner.execute(plan, rows, masks=masks)
             if result.logprobs is None:
                 return [[t] for t in result.token_ids], None, {}
             pairs = zip(result.logprobs, result.top_logprobs, strict=True)  # type: ignore[arg-type]
             return [[t] for t in result.token_ids], [[pair] for pair in pairs], {}
-        logits = self.runner.logits(plan)
-        assert logits is not None
-        rows, verifying, plain_rows, beam_logits, at = [], [], [], {}, 0
+        rows, verifying, plain_rows, beams, constrained, at = [], [], [], {}, [], 0
         for c in plan.chunks:
             if not c.samples:
                 continue
             if c.request.group is not None:
-                beam_logits[c.request.request_id] = logits[at]
+                beams[c.request.request_id] = at
             else:
+                constrained.append((len(rows), c.request, c.draft))
                 rows += [self._row(c.request, c.draft[:j]) for j in range(len(c.draft) + 1)]
                 verifying.append(self._draft(c.draft, drafts.get(c.request.request_id)))
                 plain_rows += range(at, at + len(c.draft) + 1)
             at += 1 + len(c.draft)
+        masks = self._masks(constrained)  # beside the pass
+        logits = self.runner.logits(plan)
+        assert logits is not None
+        if masks is not None:
+            rows = masks.attach(rows)
         verified = self.runner.sampler.verify(logits[plain_rows], rows, verifying)
-        return verified.token_ids, verified.logprobs, beam_logits
+        return verified.token_ids, verified.logprobs, {rid: logits[i] for rid, i in beams.items()}
+
+    def _masks(self, entries: list[tuple[int, Request, tuple[int, ...]]]) -> PendingMasks | None:
+        """Starts the structured-output masks of the constrained entries (first row, request, draft)."""
+        work = [(row, r.matcher, d) for row, r, d in entries if r.matcher is not None]
+        if not work or self.grammars is None:
+            return None
+        return self.grammars.masks(work)
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         request = result.request
@@ -305,6 +339,7 @@ class Engine:
         if not candidates:
             return plan, {}
         proposals = self.proposer.propose(candidates, ks, self._row)
+        proposals = [grammatical(r.matcher, d) for r, d in zip(candidates, proposals, strict=True)]
         drafts = {r.request_id: d for r, d in zip(candidates, proposals, strict=True) if d.tokens}
         plan = self.scheduler.speculate(plan, {rid: d.tokens for rid, d in drafts.items()})
         return plan, {c.request.request_id: drafts[c.request.request_id] for c in plan.chunks if c.draft}

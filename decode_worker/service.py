@@ -28,6 +28,7 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from cluster.auth import cluster_secret
 from cluster.config import ClusterConfig, TelemetryConfig
 from cluster.engine.speculative import build_proposer
+from cluster.engine.structured import for_tokenizer
 from cluster.grpc_server import Server, admit_submit, start_server, watch_loads
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
@@ -338,6 +339,7 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     engine = Engine(
         model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
         compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
+        grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids),
     )  # fmt: skip
     engine.warm_up()
     t = config.transfer

@@ -30,6 +30,7 @@ from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk
 from cluster.engine.sampler import Sampler, SampleRow
+from cluster.engine.structured import Grammars
 from cluster.kv.transport import KVSender, SendStream
 from cluster.kv.wire import DTYPE_NAMES, KVHeader, make_chunk, model_fingerprint
 from cluster.model.causal_lm import CausalLM
@@ -81,8 +82,10 @@ class PrefillEngine:
         eos_token_ids: Sequence[int] = (),
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
+        self.grammars = grammars  # structured output; None refuses constrained requests
         self.transfer = transfer
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
@@ -130,6 +133,10 @@ class PrefillEngine:
         if decode_cached_tokens % block or not 0 <= decode_cached_tokens < total:
             raise ValueError(f"decode_cached_tokens={decode_cached_tokens}: whole {block}-token blocks below {total}")
         request = Request(request_id, list(prompt), params, output_token_ids=list(output_token_ids))
+        if params.structured is not None:  # the first token is sampled under the constraint
+            if self.grammars is None:
+                raise ValueError("structured output is not available on this worker (no tokenizer)")
+            request.matcher = self.grammars.matcher(params.structured, request.output_token_ids)
         self.scheduler.add(request)
         self._jobs[request_id] = _Job(request, sender, capability, skip=decode_cached_tokens)
 
@@ -150,7 +157,12 @@ class PrefillEngine:
         for c in finishing:
             self._jobs[c.request.request_id].stream = self._open(c.request)
         ship = self._shipper(finishing)
-        result = self.runner.execute(plan, [self._row(c.request) for c in finishing], ship if self.layerwise else None)
+        masks = None
+        if self.grammars is not None and (work := [(i, c.request.matcher, ()) for i, c in enumerate(finishing)
+                                                   if c.request.matcher is not None]):  # fmt: skip
+            masks = self.grammars.masks(work)  # beside the pass
+        rows = [self._row(c.request) for c in finishing]
+        result = self.runner.execute(plan, rows, ship if self.layerwise else None, masks)
         if not self.layerwise:
             for layer in range(self.model.arch.num_layers):
                 ship(layer)

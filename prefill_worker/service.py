@@ -26,6 +26,7 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from cluster.auth import cluster_secret, secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, TelemetryConfig, TransferConfig
 from cluster.engine.model_runner import num_kv_blocks
+from cluster.engine.structured import for_tokenizer
 from cluster.grpc_server import Server, admit_submit, start_server, watch_loads
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import CollectiveSender, GrpcSender
@@ -265,9 +266,13 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     if config.transfer.transport == "local":
         raise ValueError('transfer.transport "local" needs prefill and decode in one process; use grpc or collective')
     model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
-    eos = Tokenizer(m.path).eos_token_ids
+    tokenizer = Tokenizer(m.path)
+    eos = tokenizer.eos_token_ids
     num_blocks = num_kv_blocks(model, config.cache)
-    engine = PrefillEngine(model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed)
+    grammars = for_tokenizer(tokenizer, model.arch.vocab_size, eos)
+    engine = PrefillEngine(
+        model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars
+    )
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
     wedged = config.scheduler.wedged_after_s
     return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry, config.auth, wedged)

@@ -29,13 +29,21 @@ from typing import Any
 import grpc
 from tandem.v1 import api_pb2, api_pb2_grpc
 
+from router import constraints
+from router.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
+
 __all__ = [
     "AsyncClient",
+    "Choice",
     "Client",
     "Completion",
     "DeadlineExceeded",
     "Delta",
+    "Grammar",
     "InvalidArgument",
+    "JsonObject",
+    "JsonSchema",
+    "Regex",
     "ResourceExhausted",
     "TandemError",
     "Unauthenticated",
@@ -181,7 +189,10 @@ def _error(e: grpc.RpcError) -> TandemError:
 def _request(
     prompt: str | Sequence[dict[str, str]] | Sequence[int], request_id: str, sampling: dict[str, Any]
 ) -> api_pb2.GenerateRequest:
+    structured = sampling.pop("structured", None)
     request = api_pb2.GenerateRequest(request_id=request_id, sampling=api_pb2.SamplingParams(**sampling))
+    if structured is not None:
+        request.sampling.structured.CopyFrom(constraints.to_proto(structured))
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -262,7 +273,8 @@ class Client:
         **sampling: Any,
     ) -> Completion:
         """Completes `prompt` (text, chat messages as {"role", "content"} dicts, or token ids).
-        Keyword arguments are `tandem.v1.SamplingParams` fields: max_tokens, temperature, top_p, ..."""
+        Keyword arguments are `tandem.v1.SamplingParams` fields: max_tokens, temperature, top_p, ...;
+        `structured` takes a `JsonSchema`, `JsonObject`, `Regex`, `Grammar` or `Choice`."""
         parts = _Assembler()
         metadata: dict[str, str] = {}
         for m in self._responses(_request(prompt, request_id, sampling), timeout, metadata):

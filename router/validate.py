@@ -14,6 +14,7 @@ from typing import Protocol
 from tandem.v1 import api_pb2
 
 from cluster.engine.request import SamplingParams, params_from_proto
+from cluster.engine.structured import Grammars
 
 MAX_BEAMS = 16  # each beam is a sequence in the decode batch
 _ID = re.compile(r"[A-Za-z0-9_.:/-]+")  # ids travel in gRPC metadata, which takes printable ASCII only
@@ -45,14 +46,23 @@ class Limits:
 
 
 def validate(
-    request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptTokenizer
+    request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptTokenizer, grammars: Grammars | None = None
 ) -> tuple[list[int], SamplingParams]:
+    """`grammars` compiles a structured-output constraint (cached by its hash): a bad one is refused
+    here, before any worker sees the request; without it constrained requests are refused."""
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidRequest("request_id", f"longer than {limits.max_request_id_chars} characters")
     if request.request_id and not _ID.fullmatch(request.request_id):
         raise InvalidRequest("request_id", "use letters, digits and - _ . : / only")
     prompt = _prompt(request, limits, tokenizer)
     params = _sampling(request.sampling, limits, len(prompt))
+    if params.structured is not None:
+        if grammars is None:
+            raise InvalidRequest("sampling.structured", "structured output is not available for this model")
+        try:
+            grammars.check(params.structured)
+        except ValueError as e:
+            raise InvalidRequest("sampling", str(e)) from None
     if request.HasField("resume"):
         _resume(request.resume, limits, params)
     return prompt, params

@@ -16,6 +16,7 @@ from cluster.engine.block_manager import kv_block_bytes, num_blocks_for_budget
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.request import StepPlan
 from cluster.engine.sampler import Sampler, SampleResult, SampleRow
+from cluster.engine.structured import PendingMasks
 from cluster.model import cpu_kernels
 from cluster.model.attention import (
     SeqChunk,
@@ -53,12 +54,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, plan: StepPlan, rows: Sequence[SampleRow], after_layer: Callable[[int], None] | None = None
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        after_layer: Callable[[int], None] | None = None,
+        masks: PendingMasks | None = None,
     ) -> SampleResult:
         """Runs `plan`; `rows` describe, in plan order, the chunks whose `samples` is true.
-        `after_layer(i)` is called once layer `i` has written its KV (so it can be shipped early)."""
+        `after_layer(i)` is called once layer `i` has written its KV (so it can be shipped early).
+        `masks`, computed while the pass runs, constrain the rows of structured-output requests."""
         logits = self.logits(plan, after_layer)
-        return self.sampler(logits, rows) if logits is not None else SampleResult([], None, None)
+        if logits is None:
+            return SampleResult([], None, None)
+        return self.sampler(logits, masks.attach(rows) if masks is not None else rows)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan, after_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:

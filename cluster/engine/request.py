@@ -11,8 +11,32 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.v1 import api_pb2
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the whole output must match this (`cluster.engine.structured` compiles it).
+    `value` is the JSON schema's text, the regex or the Lark grammar ("" for json_object);
+    `choices` the strings of a choice."""
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured: unknown kind {self.kind!r}; one of {', '.join(STRUCTURED_KINDS)}")
+        if self.kind == "choice" and not self.choices:
+            raise ValueError("structured.choice: no choices")
+        if self.kind == "choice" and not all(self.choices):
+            raise ValueError("structured.choice: a choice is empty")
+        if self.kind not in ("choice", "json_object") and not self.value:
+            raise ValueError(f"structured.{self.kind}: is empty")
 
 
 @dataclass(frozen=True)
@@ -35,6 +59,7 @@ class SamplingParams:
     num_beams: int = 1  # > 1: beam search (deterministic; sampling parameters are ignored)
     length_penalty: float = 1.0  # beam search: scores are sum of log-probs / length ** length_penalty
     early_stopping: str = "false"  # beam search: "true", "false" (heuristic) or "never"
+    structured: Constraint | None = None  # the output must match this
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,6 +76,12 @@ class SamplingParams:
             (self.num_beams >= 1, "num_beams must be >= 1"),
             (self.early_stopping in ("true", "false", "never"), 'early_stopping must be "true", "false" or "never"'),
         ]
+        if self.structured is not None:
+            checks += [
+                (self.num_beams == 1, "beam search cannot be combined with structured output"),
+                (self.min_tokens == 0, "min_tokens cannot be combined with structured output (EOS ends a match)"),
+                (not self.ignore_eos, "ignore_eos cannot be combined with structured output (EOS ends a match)"),
+            ]
         if self.num_beams > 1:
             checks += [
                 (not self.stop, "beam search does not support stop strings"),
@@ -96,7 +127,31 @@ def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         m.num_beams = p.num_beams
         m.length_penalty = p.length_penalty
         m.early_stopping = EARLY_STOPPING[p.early_stopping]
+    if p.structured is not None:
+        m.structured.CopyFrom(constraint_to_proto(p.structured))
     return m
+
+
+def constraint_to_proto(c: Constraint) -> api_pb2.Structured:
+    if c.kind == "choice":
+        return api_pb2.Structured(choice=api_pb2.Choices(choices=c.choices))
+    if c.kind == "json_object":
+        return api_pb2.Structured(json_object=True)
+    return api_pb2.Structured(**{c.kind: c.value})
+
+
+def constraint_from_proto(m: api_pb2.Structured) -> Constraint | None:
+    """The wire's constraint, None when unset; raises ValueError on a bad one."""
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(m.choice.choices))
+    if kind == "json_object":
+        if not m.json_object:
+            raise ValueError("structured.json_object: set it to true")
+        return Constraint("json_object")
+    return Constraint(kind, getattr(m, kind))
 
 
 EARLY_STOPPING = {
@@ -128,6 +183,7 @@ def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
         num_beams=max(m.num_beams, 1),
         length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
         early_stopping={v: k for k, v in EARLY_STOPPING.items()}[m.early_stopping],
+        structured=constraint_from_proto(m.structured) if m.HasField("structured") else None,
     )
 
 
@@ -153,6 +209,7 @@ class Request:
     num_draft_tokens: int = 0  # speculative tokens proposed for it
     num_accepted_tokens: int = 0  # and kept
     group: str | None = None  # beam search: the id of the request whose beam this is
+    matcher: Any = None  # structured output: the `cluster.engine.structured.Matcher` over its output
 
     @property
     def num_prompt_tokens(self) -> int:

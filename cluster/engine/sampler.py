@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cluster.engine.request import SamplingParams
@@ -80,6 +81,7 @@ class SampleRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     suppressed: tuple[int, ...] = ()  # token ids not allowed this step (EOS before min_tokens)
+    allowed: torch.Tensor | None = None  # structured output: the int32 bitmask of the tokens allowed
 
     @property
     def index(self) -> int:
@@ -257,14 +259,20 @@ class Sampler:
         return chosen, tops
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """Penalties, then the suppressed tokens at -inf; `logits` itself is never changed (plain
-        rows, the common case, get it back as it is)."""
+        """Penalties, then the suppressed tokens and those outside a row's structured-output mask
+        at -inf; `logits` itself is never changed (plain rows, the common case, get it back as it is)."""
         adjusted = self._penalise(logits, rows)
         for i, row in enumerate(rows):
             if row.suppressed:
                 if adjusted is logits:
                     adjusted = logits.clone()
                 adjusted[i, list(row.suppressed)] = float("-inf")
+        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if constrained:
+            if adjusted is logits:
+                adjusted = logits.clone()
+            allowed = unpack_bitmask(torch.stack([rows[i].allowed for i in constrained]), logits.shape[-1])  # type: ignore[misc]
+            adjusted[constrained] = adjusted[constrained].masked_fill_(~allowed, float("-inf"))
         return adjusted
 
     def _penalise(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -318,6 +326,12 @@ class Sampler:
         # Drop a token once the mass strictly before it already reaches top_p (the top one always stays).
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] bool from an [n, words] int32 bitmask (bit j of word w is token 32 w + j)."""
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab]).bool()
 
 
 def _follow(drafted: Sequence[int], targets: Sequence[int]) -> list[int]:

@@ -24,49 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/v1/api.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd0\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x1f\n\x12speculative_tokens\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x11\n\tnum_beams\x18\x10 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x30\n\x0e\x65\x61rly_stopping\x18\x12 \x01(\x0e\x32\x18.tandem.v1.EarlyStoppingB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_speculative_tokensB\x11\n\x0f_length_penalty\"g\n\rLatencyBudget\x12\x19\n\x0cttft_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0ctpot_seconds\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x0f\n\r_ttft_secondsB\x0f\n\r_tpot_seconds\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.tandem.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12(\n\x06\x62udget\x18\x06 \x01(\x0b\x32\x18.tandem.v1.LatencyBudget\x12\x1a\n\x12return_prompt_text\x18\x07 \x01(\x08\x12!\n\x06resume\x18\x08 \x01(\x0b\x32\x11.tandem.v1.ResumeB\x08\n\x06prompt\"=\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12!\n\x03slo\x18\x07 \x01(\x0b\x32\x14.tandem.v1.SloReport\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12\x1e\n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x0f.tandem.v1.Beam\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x13\n\x0bprompt_text\x18\x0b \x01(\tJ\x04\x08\x10\x10\x11J\x04\x08\x11\x10\x12\"\x8a\x01\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x15\n\rtarget_passes\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x17\n\x0ftokens_per_pass\x18\x05 \x01(\x02\"f\n\x04\x42\x65\x61m\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05score\x18\x03 \x01(\x02\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\"~\n\tSloReport\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x14\n\x0ctpot_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13ttft_target_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13tpot_target_seconds\x18\x05 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x9c\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08*a\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FIRST\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x95\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/v1/api.proto\x12\ttandem.v1\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"J\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8c\x01\n\nStructured\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfb\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x1f\n\x12speculative_tokens\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x11\n\tnum_beams\x18\x10 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x30\n\x0e\x65\x61rly_stopping\x18\x12 \x01(\x0e\x32\x18.tandem.v1.EarlyStopping\x12)\n\nstructured\x18\x13 \x01(\x0b\x32\x15.tandem.v1.StructuredB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_speculative_tokensB\x11\n\x0f_length_penalty\"g\n\rLatencyBudget\x12\x19\n\x0cttft_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0ctpot_seconds\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x0f\n\r_ttft_secondsB\x0f\n\r_tpot_seconds\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x15.tandem.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12(\n\x06\x62udget\x18\x06 \x01(\x0b\x32\x18.tandem.v1.LatencyBudget\x12\x1a\n\x12return_prompt_text\x18\x07 \x01(\x08\x12!\n\x06resume\x18\x08 \x01(\x0b\x32\x11.tandem.v1.ResumeB\x08\n\x06prompt\"=\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12!\n\x03slo\x18\x07 \x01(\x0b\x32\x14.tandem.v1.SloReport\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12\x1e\n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x0f.tandem.v1.Beam\x12\x15\n\rprompt_tokens\x18\n \x01(\r\x12\x13\n\x0bprompt_text\x18\x0b \x01(\tJ\x04\x08\x10\x10\x11J\x04\x08\x11\x10\x12\"\x8a\x01\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x15\n\rtarget_passes\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x17\n\x0ftokens_per_pass\x18\x05 \x01(\x02\"f\n\x04\x42\x65\x61m\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05score\x18\x03 \x01(\x02\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\"~\n\tSloReport\x12\x0b\n\x03met\x18\x01 \x01(\x08\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x14\n\x0ctpot_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13ttft_target_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13tpot_target_seconds\x18\x05 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x9c\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08*a\n\rEarlyStopping\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FIRST\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x95\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EARLYSTOPPING']._serialized_start=2372
-  _globals['_EARLYSTOPPING']._serialized_end=2469
-  _globals['_FINISHREASON']._serialized_start=2471
-  _globals['_FINISHREASON']._serialized_end=2591
+  _globals['_EARLYSTOPPING']._serialized_start=2653
+  _globals['_EARLYSTOPPING']._serialized_end=2750
+  _globals['_FINISHREASON']._serialized_start=2752
+  _globals['_FINISHREASON']._serialized_end=2872
   _globals['_CHATMESSAGE']._serialized_start=34
-  _globals['_CHATMESSAGE']._serialized_end=78
-  _globals['_CHATPROMPT']._serialized_start=80
-  _globals['_CHATPROMPT']._serialized_end=134
-  _globals['_TOKENIDS']._serialized_start=136
-  _globals['_TOKENIDS']._serialized_end=159
-  _globals['_SAMPLINGPARAMS']._serialized_start=162
-  _globals['_SAMPLINGPARAMS']._serialized_end=754
-  _globals['_LATENCYBUDGET']._serialized_start=756
-  _globals['_LATENCYBUDGET']._serialized_end=859
-  _globals['_GENERATEREQUEST']._serialized_start=862
-  _globals['_GENERATEREQUEST']._serialized_end=1156
-  _globals['_RESUME']._serialized_start=1158
-  _globals['_RESUME']._serialized_end=1219
-  _globals['_TOPLOGPROB']._serialized_start=1221
-  _globals['_TOPLOGPROB']._serialized_end=1268
-  _globals['_TOKENLOGPROB']._serialized_start=1270
-  _globals['_TOKENLOGPROB']._serialized_end=1355
-  _globals['_USAGE']._serialized_start=1357
-  _globals['_USAGE']._serialized_end=1444
-  _globals['_GENERATERESPONSE']._serialized_start=1447
-  _globals['_GENERATERESPONSE']._serialized_end=1815
-  _globals['_SPECULATIONSTATS']._serialized_start=1818
-  _globals['_SPECULATIONSTATS']._serialized_end=1956
-  _globals['_BEAM']._serialized_start=1958
-  _globals['_BEAM']._serialized_end=2060
-  _globals['_SLOREPORT']._serialized_start=2062
-  _globals['_SLOREPORT']._serialized_end=2188
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2190
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2211
-  _globals['_MODELINFO']._serialized_start=2214
-  _globals['_MODELINFO']._serialized_end=2370
-  _globals['_TANDEM']._serialized_start=2594
-  _globals['_TANDEM']._serialized_end=2743
+  _globals['_CHATMESSAGE']._serialized_end=125
+  _globals['_CHATPROMPT']._serialized_start=127
+  _globals['_CHATPROMPT']._serialized_end=201
+  _globals['_CHOICES']._serialized_start=203
+  _globals['_CHOICES']._serialized_end=229
+  _globals['_STRUCTURED']._serialized_start=232
+  _globals['_STRUCTURED']._serialized_end=372
+  _globals['_TOKENIDS']._serialized_start=374
+  _globals['_TOKENIDS']._serialized_end=397
+  _globals['_SAMPLINGPARAMS']._serialized_start=400
+  _globals['_SAMPLINGPARAMS']._serialized_end=1035
+  _globals['_LATENCYBUDGET']._serialized_start=1037
+  _globals['_LATENCYBUDGET']._serialized_end=1140
+  _globals['_GENERATEREQUEST']._serialized_start=1143
+  _globals['_GENERATEREQUEST']._serialized_end=1437
+  _globals['_RESUME']._serialized_start=1439
+  _globals['_RESUME']._serialized_end=1500
+  _globals['_TOPLOGPROB']._serialized_start=1502
+  _globals['_TOPLOGPROB']._serialized_end=1549
+  _globals['_TOKENLOGPROB']._serialized_start=1551
+  _globals['_TOKENLOGPROB']._serialized_end=1636
+  _globals['_USAGE']._serialized_start=1638
+  _globals['_USAGE']._serialized_end=1725
+  _globals['_GENERATERESPONSE']._serialized_start=1728
+  _globals['_GENERATERESPONSE']._serialized_end=2096
+  _globals['_SPECULATIONSTATS']._serialized_start=2099
+  _globals['_SPECULATIONSTATS']._serialized_end=2237
+  _globals['_BEAM']._serialized_start=2239
+  _globals['_BEAM']._serialized_end=2341
+  _globals['_SLOREPORT']._serialized_start=2343
+  _globals['_SLOREPORT']._serialized_end=2469
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2471
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2492
+  _globals['_MODELINFO']._serialized_start=2495
+  _globals['_MODELINFO']._serialized_end=2651
+  _globals['_TANDEM']._serialized_start=2875
+  _globals['_TANDEM']._serialized_end=3024
 # @@protoc_insertion_point(module_scope)
