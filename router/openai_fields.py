@@ -2,8 +2,8 @@
 
 This is the one list. `check(body, table)` refuses, with a `FieldError` naming the field (a 400 in
 OpenAI's error shape), any key that is not in the endpoint's table and any refused field sent with
-a value other than null or one of its neutral values (those that ask for nothing missing: `tools:
-[]`, `response_format: {"type": "text"}`, `skip_special_tokens: true`). docs/openai.md's tables are
+a value other than null or one of its neutral values (those that ask for nothing missing: `logit_bias:
+{}`, `skip_special_tokens: true`). docs/openai.md's tables are
 tested against `rows()`. Pure: no FastAPI, no gRPC.
 """
 
@@ -45,8 +45,19 @@ def ignored(note: str) -> Field:
     return Field(IGNORED, note)
 
 
-STRUCTURED = "structured output is not supported yet"
-TOOLS = "tool calling is not supported yet"
+RESPONSE_FORMAT = (
+    '"text", "json_object" or "json_schema" (name, description, schema, strict): the output is constrained to '
+    "the schema, strict or not, so it always validates (docs/structured.md)"
+)
+TOOLS = (
+    "function tools, through the chat template (or described in the system message); the reply's "
+    "<tool_call> blocks are its tool_calls, streamed as deltas too"
+)
+TOOL_CHOICE = (
+    '"none" (tools left out), "auto", "required" or a named function; required and named are constrained '
+    "to well-formed calls matching the parameters"
+)
+FUNCTIONS = "the deprecated functions API is not read; send tools and tool_choice"
 NOT_STORED = "nothing is stored or logged per caller"
 PROMPT_CACHE = "the prefix cache reuses any shared prompt prefix of whole blocks, with no key, breakpoint or lifetime"
 
@@ -71,9 +82,9 @@ MESSAGE = {
     "content": honoured("a string, or a list of text parts", PART, listed=True),
     "name": ignored("the chat template renders role and content only"),
     "refusal": honoured("an assistant turn without content reads its refusal as content"),
-    "tool_calls": refused(TOOLS, []),
-    "tool_call_id": refused(TOOLS),
-    "function_call": refused(TOOLS),
+    "tool_calls": honoured("an assistant turn's calls, through the chat template (or written as <tool_call> blocks)"),
+    "tool_call_id": honoured('a "tool" turn\'s call id, passed to the chat template'),
+    "function_call": refused(FUNCTIONS),
     "audio": refused("audio is not supported"),
 }
 
@@ -108,11 +119,11 @@ VLLM = {  # vLLM's extensions that clients send, on both endpoints
     "bad_words": refused("(vLLM) the sampler has no banned words", []),
     "allowed_token_ids": refused("(vLLM) the sampler has no allowed-token list"),
     "priority": refused("(vLLM) requests are not prioritised"),
-    "guided_json": refused(f"(vLLM) {STRUCTURED}"),
-    "guided_regex": refused(f"(vLLM) {STRUCTURED}"),
-    "guided_choice": refused(f"(vLLM) {STRUCTURED}"),
-    "guided_grammar": refused(f"(vLLM) {STRUCTURED}"),
-    "structured_outputs": refused(f"(vLLM) {STRUCTURED}"),
+    "guided_json": honoured("(vLLM) the output is a JSON value valid against this schema"),
+    "guided_regex": honoured("(vLLM) the output matches this regex (Rust regex syntax)"),
+    "guided_choice": honoured("(vLLM) the output is one of these strings"),
+    "guided_grammar": refused("(vLLM) EBNF grammars are not read; Tandem's gRPC API takes Lark grammars"),
+    "structured_outputs": refused("(vLLM) send response_format, guided_json, guided_regex or guided_choice"),
 }
 
 TANDEM = {  # Tandem's own (tandem.v1.SamplingParams and LatencyBudget)
@@ -132,7 +143,7 @@ COMPLETIONS = {
     "echo": honoured("the prompt's text leads the choice's (not with logprobs)"),
     "best_of": refused("server-side best-of is not supported; ask for n choices, or num_beams", 1),
     "suffix": refused("insertion (suffix) is not supported", ""),
-    "response_format": refused(f"(vLLM) {STRUCTURED}", {"type": "text"}),
+    "response_format": honoured(f"(vLLM) {RESPONSE_FORMAT}"),
     **VLLM,
     "add_special_tokens": refused("(vLLM) a text prompt is always encoded with the tokenizer's special tokens", True),
     **TANDEM,
@@ -145,12 +156,12 @@ CHAT = {
     "max_tokens": honoured("max_completion_tokens' older name"),
     "logprobs": honoured("true: the sampled tokens' log-probabilities, tokens by id"),
     "top_logprobs": honoured("with logprobs: true, this many alternatives per token"),
-    "response_format": refused(STRUCTURED, {"type": "text"}),
-    "tools": refused(TOOLS, []),
-    "tool_choice": refused(TOOLS, "none"),
-    "functions": refused(TOOLS, []),
-    "function_call": refused(TOOLS, "none"),
-    "parallel_tool_calls": ignored("no effect without tools, which are refused"),
+    "response_format": honoured(RESPONSE_FORMAT),
+    "tools": honoured(TOOLS),
+    "tool_choice": honoured(TOOL_CHOICE),
+    "functions": refused(FUNCTIONS, []),
+    "function_call": refused(FUNCTIONS, "none"),
+    "parallel_tool_calls": honoured("false: at most one call (required and named ones constrained to one)"),
     "audio": refused("audio output is not supported"),
     "modalities": refused("the served model writes text only", ["text"]),
     "prediction": refused("predicted outputs are not supported"),

@@ -6,6 +6,8 @@ honoured field is then read here. Raises `FieldError` naming the field. Pure: no
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ from tandem.v1 import api_pb2
 
 from cluster.engine.request import EARLY_STOPPING
 from router.openai_fields import CHAT, COMPLETIONS, FieldError, check
+from router.openai_tools import Tools, structured, tools
 
 SAMPLING = {  # body field -> tandem.v1.SamplingParams field (stop_token_ids is a list)
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
@@ -37,6 +40,7 @@ class Plan:
     continuous_usage: bool  # usage so far in every chunk
     echo: bool
     prompt_text: str | None  # a text prompt as sent (echoed); None: the router returns it (token ids)
+    tools: Tools | None = None  # a chat's tools: its replies are read for tool calls
 
 
 def completion_plan(body: dict[str, Any]) -> Plan:
@@ -46,6 +50,8 @@ def completion_plan(body: dict[str, Any]) -> Plan:
     if echo and body.get("logprobs") is not None:
         raise FieldError("echo", "echo with logprobs needs the prompt's log-probabilities, which are not computed")
     request = _request(body, prompt, chat=False)
+    if (constraint := structured(body)) is not None:
+        request.sampling.structured.CopyFrom(constraint)
     text = prompt.get("text")
     request.return_prompt_text = echo and text is None
     return _plan(body, request, chat=False, echo=echo, prompt_text=text)
@@ -54,7 +60,15 @@ def completion_plan(body: dict[str, Any]) -> Plan:
 def chat_plan(body: dict[str, Any]) -> Plan:
     check(body, CHAT)
     request = _request(body, {"chat": _chat_prompt(body.get("messages"))}, chat=True)
-    return _plan(body, request, chat=True, echo=False, prompt_text=None)
+    found, calls = tools(body)
+    constraint = structured(body)
+    if calls is not None and constraint is not None:
+        raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with response_format")
+    if found is not None:
+        request.chat.tools_json = found.json
+    if (constraint := constraint or calls) is not None:
+        request.sampling.structured.CopyFrom(constraint)
+    return dataclasses.replace(_plan(body, request, chat=True, echo=False, prompt_text=None), tools=found)
 
 
 def _plan(
@@ -101,9 +115,26 @@ def _message(m: Any, where: str) -> api_pb2.ChatMessage:
         content = m.get("refusal") or ""
     if isinstance(content, list):
         content = "".join(_part(p, f"{where}.content[{j}]", role) for j, p in enumerate(content))
+    if content is None and m.get("tool_calls"):
+        content = ""
     if not isinstance(content, str):
         raise FieldError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
-    return api_pb2.ChatMessage(role="system" if role == "developer" else role, content=content)
+    message = api_pb2.ChatMessage(role="system" if role == "developer" else role, content=content)
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list) or not all(_tool_call(c) for c in calls):
+            raise FieldError(f"{where}.tool_calls", f"{where}.tool_calls must be OpenAI tool calls")
+        message.tool_calls_json = json.dumps(calls)
+    if m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise FieldError(f"{where}.tool_call_id", f"{where}.tool_call_id must be a string")
+        message.tool_call_id = m["tool_call_id"]
+    return message
+
+
+def _tool_call(c: Any) -> bool:
+    function = c.get("function") if isinstance(c, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def _part(part: Any, where: str, role: str) -> str:

@@ -19,6 +19,7 @@ import grpc
 from tandem.v1 import api_pb2
 
 from router.openai_request import Plan
+from router.openai_tools import ToolStream, parse
 
 FINISH = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
 _OMIT = object()
@@ -87,10 +88,35 @@ async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignor
         usages.append(last.usage)
         choice: dict[str, Any] = {"index": index, "finish_reason": FINISH.get(last.finish_reason, "stop"),
                                   "logprobs": _logprobs(messages, chat)}  # fmt: skip
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if chat and reply.plan.tools is not None:
+            content, tool_calls = parse(text, reply.plan.tools.parallel)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"], choice["finish_reason"] = tool_calls, "tool_calls"
+            choice["message"] = message
+        else:
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
     completion = sum(u.completion_tokens for u in usages)
     return reply.body(choices, usage(usages[0].prompt_tokens, completion, usages[0].cached_prompt_tokens))
+
+
+def _tool_choices(
+    reply: Reply, index: int, reader: ToolStream, m: api_pb2.GenerateResponse, first: bool
+) -> list[dict[str, Any]]:
+    """A message of a chat with tools as chunks: content and whole calls, as `reader` finds them."""
+    finish = FINISH.get(m.finish_reason) if m.finish_reason else None
+    deltas = reader.feed(m.text) + (reader.finish() if finish else [])
+    if finish and reader.calls:
+        finish = "tool_calls"
+    if finish and not deltas:
+        deltas = [{"content": ""}]
+    choices = []
+    for j, d in enumerate(deltas):
+        delta = {"role": "assistant", **d} if first and j == 0 else d
+        last = finish if j == len(deltas) - 1 else None
+        choices.append({"index": index, "delta": delta, "finish_reason": last, "logprobs": None})
+    return choices
 
 
 def _choice(reply: Reply, index: int, text: str, finish: str | None, first: bool) -> dict[str, Any]:
@@ -119,6 +145,8 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
     prompt = getattr(firsts[0], "prompt_tokens", 0)
     done, final = [0] * len(calls), [api_pb2.Usage() for _ in calls]  # completion tokens so far; last usages
     started = [False] * len(calls)
+    tools = plan.tools if plan.chat else None
+    readers = [ToolStream(tools.parallel) for _ in calls] if tools is not None else []
     tasks = [asyncio.create_task(pump(i)) for i in range(len(calls))]
     try:
         for index, echo in enumerate(reply.echoes):
@@ -134,6 +162,11 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
             done[index] = m.usage.completion_tokens if m.finish_reason else done[index] + len(m.token_ids)
             if m.finish_reason:
                 final[index] = m.usage
+            if readers:
+                for j, choice in enumerate(_tool_choices(reply, index, readers[index], m, not started[index])):
+                    choice["logprobs"], started[index] = _logprobs([m], plan.chat) if j == 0 else None, True
+                    yield event([choice])
+                continue
             finish = FINISH.get(m.finish_reason) if m.finish_reason else None
             choice = _choice(reply, index, m.text, finish, first=not started[index])
             choice["logprobs"], started[index] = _logprobs([m], plan.chat), True

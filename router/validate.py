@@ -6,10 +6,11 @@ or raises `InvalidRequest` naming the field, which the router turns into INVALID
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.v1 import api_pb2
 
@@ -31,7 +32,8 @@ class PromptTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    # Called with `tools=` (OpenAI's tool definitions) only when a chat carries tools.
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -86,14 +88,12 @@ def _prompt(request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptT
             raise InvalidRequest("text", "the prompt is empty")
         ids = tokenizer.encode(request.text)
     elif kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        messages = [_message(m, i) for i, m in enumerate(request.chat.messages)]
         if not messages:
             raise InvalidRequest("chat.messages", "no messages")
-        for i, m in enumerate(messages):
-            if not m["role"]:
-                raise InvalidRequest(f"chat.messages[{i}].role", "is empty")
+        tools = _json_list(request.chat.tools_json, "chat.tools_json")
         try:
-            ids = tokenizer.encode_chat(messages)
+            ids = tokenizer.encode_chat(messages, tools=tools) if tools else tokenizer.encode_chat(messages)
         except ValueError as e:
             raise InvalidRequest("chat", str(e)) from None
     elif kind == "token_ids":
@@ -108,6 +108,30 @@ def _prompt(request: api_pb2.GenerateRequest, limits: Limits, tokenizer: PromptT
     if len(ids) >= limits.context_length:
         raise InvalidRequest(kind, f"the prompt has {len(ids)} tokens; the context window is {limits.context_length}")
     return ids
+
+
+def _message(m: api_pb2.ChatMessage, i: int) -> dict[str, Any]:
+    if not m.role:
+        raise InvalidRequest(f"chat.messages[{i}].role", "is empty")
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        out["tool_calls"] = _json_list(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _json_list(text: str, field: str) -> list[Any]:
+    """A JSON array of objects sent as text ("" is none)."""
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(field, f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise InvalidRequest(field, "must be a JSON array of objects")
+    return value
 
 
 def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> SamplingParams:

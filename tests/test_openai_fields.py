@@ -21,6 +21,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "openai.md"
 MODEL = "tandem-demo-code"
 PLANS = {"/v1/completions": completion_plan, "/v1/chat/completions": chat_plan}
 
+CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 # One value per row: honoured and ignored ones are accepted, refused ones are not (a value other
 # than the row's accepted ones). Used with `body_with`.
 EXAMPLES: dict[str, Any] = {
@@ -31,7 +32,7 @@ EXAMPLES: dict[str, Any] = {
     "frequency_penalty": 0.5, "logit_bias": {"50": 10}, "user": "someone", "max_tokens": 2,
     "max_completion_tokens": 2, "echo": True, "best_of": 3, "suffix": "return x", "top_logprobs": 2,
     "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": True,
+    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "moderation": {"model": "omni-moderation-latest"}, "metadata": {"k": "v"},
@@ -48,7 +49,7 @@ EXAMPLES: dict[str, Any] = {
     "speculative_tokens": 0, "num_beams": 2, "length_penalty": 0.5, "early_stopping": "never",
     "ttft_seconds": 5.0, "tpot_seconds": 1.0,
     "messages[].role": "developer", "messages[].content": [{"type": "text", "text": "Write a loop."}],
-    "messages[].name": "someone", "messages[].refusal": "I cannot.", "messages[].tool_calls": [{"id": "1"}],
+    "messages[].name": "someone", "messages[].refusal": "I cannot.", "messages[].tool_calls": [CALL],
     "messages[].tool_call_id": "1", "messages[].function_call": {"name": "f", "arguments": "{}"},
     "messages[].audio": {"id": "a"}, "messages[].content[].type": "refusal", "messages[].content[].text": "Hi.",
     "messages[].content[].refusal": "I cannot.", "messages[].content[].image_url": {"url": "http://x/a.png"},
@@ -97,6 +98,8 @@ def body_with(endpoint: str, name: str, value: Any) -> dict[str, Any]:
             body["logprobs"] = True
         if name == "stream_options":
             body["stream"] = True
+        if name in ("tool_choice", "parallel_tool_calls"):  # they say how the tools are used
+            body["tools"] = EXAMPLES["tools"]
         _put(body, name, value)
     return body
 

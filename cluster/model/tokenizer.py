@@ -20,6 +20,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from cluster.model import chat_tools
 from cluster.model.arch import ModelFormatError
 from cluster.model.gguf import model_folder
 
@@ -64,22 +65,43 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat rendered to text, special tokens written out as the template writes them."""
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat rendered to text, special tokens written out as the template writes them. `tools`
+        (OpenAI's tool definitions) go to a template that takes them; for one that does not, they
+        are described in the system message and earlier tool calls written into their turns, in the
+        `<tool_call>` form the model is then asked to answer in (`chat_tools`)."""
         if self.chat_template is None:
             raise ChatTemplateError("the model has no chat template; send a text prompt instead")
         if self._template is None:
             self._template = _environment().from_string(self.chat_template)
+        extra: dict[str, Any] = {}
+        if "tool_calls" not in self.chat_template:
+            messages = [chat_tools.fold_tool_calls(m) for m in messages]
+        if tools and "tools" in self.chat_template:
+            extra["tools"] = list(tools)
+        elif tools:
+            messages = chat_tools.with_tools_prompt(messages, tools)
         try:
             return self._template.render(
-                **self._special, messages=list(messages), add_generation_prompt=add_generation_prompt
+                **self._special, messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The chat's prompt token ids: rendered, then encoded without special tokens added again."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
 
     def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         eos = generation_config.get("eos_token_id")
