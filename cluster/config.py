@@ -313,6 +313,12 @@ class RouterConfig(_Part):
     migration_wait_s: float = Field(
         default=60.0, ge=0, description="How long a migrating request waits for a live worker (a restart, say)."
     )
+    ray_lost_after_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long Ray's GCS may not answer before the cluster counts as lost: the router turns "
+        "NOT_SERVING, refuses every request with UNAVAILABLE, and `tandem serve` / `router` / `control` exit 1.",
+    )
     prefix_routing: Literal["kv", "hash", "random"] = Field(
         default="kv",
         description="How placement finds a prompt's cached prefix: kv, from the workers' own cache events; "

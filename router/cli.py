@@ -37,6 +37,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster.auth import api_keys
 from cluster.cli import add_commands, add_generate_options, offline_generate
 from cluster.config import ConfigError, serve_config
+from cluster.lifeline import ClusterUnavailable, Lifeline
 from cluster.model.arch import ModelFormatError
 from planner.cli import add_commands as add_planner_commands
 from router.client import Client, TandemError
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ModelFormatError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
-    except (TandemError, ReplicaFailed, TimeoutError) as e:
+    except (TandemError, ReplicaFailed, TimeoutError, ClusterUnavailable) as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 1
 
@@ -149,11 +150,12 @@ def _serve(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
-    router, http, replicas = None, None, None
+    router, http, replicas, lifeline = None, None, None, None
     try:
         router = from_config(config, cluster.discover, cluster)
         address = router.start(f"{config.router.host}:{port}")
         router.join(cluster)
+        lifeline = _watch_ray(cluster, config, router)
         http = _start_http(config, router, address)
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
@@ -170,16 +172,20 @@ def _serve(args: argparse.Namespace) -> int:
             bound = int(address.rsplit(":", 1)[1])
             replicas = Replicas.start(config, bound, cluster.address(), config.router.replicas - 1)
             print("\n".join(replicas.lines), file=sys.stderr)
-        _serve_until_stopped(router, config, stop, replicas.terminate if replicas else None)
+        _serve_until_stopped(router, config, stop, replicas.terminate if replicas else None, lifeline)
         return 0
     finally:
+        lost = lifeline is not None and lifeline.lost
+        if lost:  # Ray first: meanwhile the router still answers, NOT_SERVING, with the reason
+            cluster.shutdown(reachable=False)
         if replicas is not None:
             replicas.stop(config.router.shutdown_timeout_s + 30)
         if http is not None:
             http.stop()
         if router is not None:
             router.stop()
-        cluster.shutdown()
+        if not lost:
+            cluster.shutdown()
         print("stopped", file=sys.stderr)
 
 
@@ -190,15 +196,16 @@ def _control(args: argparse.Namespace) -> int:
     config = serve_config(args.config)
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
+    lifeline = _watch_ray(cluster, config)
     try:
         stop = _stop_on_signals()
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         where = f"Ray at {cluster.address()}, namespace {cluster.namespace}"
         print(f"pools up ({where}); workers: {workers}; routers join with `tandem router`", file=sys.stderr, flush=True)
-        stop.wait()
+        _wait(stop, lifeline)
         return 0
     finally:
-        cluster.shutdown()
+        cluster.shutdown(reachable=not lifeline.lost)
         print("stopped", file=sys.stderr)
 
 
@@ -211,23 +218,28 @@ def _router(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else config.router.port
     deadline = time.monotonic() + args.timeout
     cluster = ray_cluster.attach(config, address=args.ray_address, timeout_s=args.timeout)
-    router, http = None, None
+    router, http, lifeline = None, None, None
     try:
         _wait_for_workers(cluster.discover, deadline)
         router = from_config(config, cluster.discover, cluster)
         address = router.start(f"{config.router.host}:{port}")
         name = router.join(cluster)
+        lifeline = _watch_ray(cluster, config, router)
         http = _start_http(config, router, address)
         stop = _stop_on_signals()  # before the line below: `tandem serve` may send SIGTERM once it reads it
         print(f"router {name} at {address}", flush=True)
-        _serve_until_stopped(router, config, stop)
+        _serve_until_stopped(router, config, stop, lifeline=lifeline)
         return 0
     finally:
+        lost = lifeline is not None and lifeline.lost
+        if lost:  # Ray first: meanwhile the router still answers, NOT_SERVING, with the reason
+            cluster.shutdown(reachable=False)
         if http is not None:
             http.stop()
         if router is not None:
             router.stop()
-        cluster.shutdown()
+        if not lost:
+            cluster.shutdown()
 
 
 def _wait_for_workers(discover, deadline: float) -> None:  # type: ignore[no-untyped-def]
@@ -247,14 +259,38 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _serve_until_stopped(router, config, stop: threading.Event, on_stop=None) -> None:  # type: ignore[no-untyped-def]
+def _watch_ray(cluster, config, router=None) -> Lifeline:  # type: ignore[no-untyped-def]
+    """Watches Ray's GCS: once it has not answered for router.ray_lost_after_s, the router (if
+    any) refuses everything with UNAVAILABLE and `_wait` raises ClusterUnavailable."""
+
+    def lost(reason: str) -> None:
+        print(f"tandem: {reason}; refusing requests and stopping", file=sys.stderr, flush=True)
+        if router is not None:
+            router.lose_cluster(reason)
+
+    lifeline = Lifeline(cluster.probe, lost, config.router.ray_lost_after_s)
+    lifeline.start()
+    return lifeline
+
+
+def _wait(stop: threading.Event, lifeline: Lifeline | None) -> None:
+    """Returns once `stop` is set; raises ClusterUnavailable once the Ray cluster is lost."""
+    while not stop.wait(0.2):
+        if lifeline is not None and lifeline.lost:
+            raise ClusterUnavailable(lifeline.reason)
+
+
+def _serve_until_stopped(router, config, stop: threading.Event, on_stop=None, lifeline=None) -> None:  # type: ignore[no-untyped-def]
     """Serves until `stop` is set, then drains: new requests get UNAVAILABLE, those in flight run
-    to their end (up to router.shutdown_timeout_s). `on_stop` runs first (the replicas' SIGTERM)."""
+    to their end (up to router.shutdown_timeout_s). `on_stop` runs first (the replicas' SIGTERM).
+    A lost Ray cluster (`lifeline`) stops it at once, without draining."""
     print("serving; Ctrl-C or SIGTERM stops (requests in flight finish first)", file=sys.stderr, flush=True)
-    stop.wait()
+    try:
+        _wait(stop, lifeline)
+    finally:
+        if on_stop is not None:
+            on_stop()
     print("draining ...", file=sys.stderr, flush=True)
-    if on_stop is not None:
-        on_stop()
     if not router.drain(config.router.shutdown_timeout_s):
         print(f"{router.in_flight} requests still running after the timeout; stopping", file=sys.stderr)
 

@@ -18,6 +18,10 @@ Lifecycle of a request:
     end           client cancellation or deadline cancels both worker calls, which abort the
                   request and free its KV on each worker
 
+When the Ray cluster is lost (`lose_cluster`, from `cluster.lifeline.Lifeline`), health turns
+NOT_SERVING and every call gets UNAVAILABLE with the reason; a call to the pool controllers
+that Ray cannot make (`cluster.lifeline.ClusterUnavailable`) is UNAVAILABLE with its message.
+
 A router started with `start` may `join` the cluster's registry (`router.fleet`): then it reports
 its counters there and its `Admin.GetStatus` shows every live router, with the in-flight requests
 and placement decisions summed over them; `stop` leaves.
@@ -37,6 +41,7 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from cluster.auth import RequireKey, client_keys, secret_metadata
 from cluster.config import ClusterConfig
 from cluster.engine.structured import for_tokenizer
+from cluster.lifeline import ClusterUnavailable
 from cluster.model.arch import ModelArch
 from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
@@ -82,6 +87,7 @@ class Router(worker_pb2_grpc.AdminServicer):
         self.dispatcher = Dispatcher(settings, self.view, telemetry, tokenizer)
         self._in_flight = 0  # touched on the loop only
         self._draining = False
+        self.lost: str | None = None  # why the Ray cluster is gone, once it is
         self.server: AioServer | None = None
         self.name = router_name()
         self.address = ""  # as other routers' status shows it, once started
@@ -128,8 +134,15 @@ class Router(worker_pb2_grpc.AdminServicer):
             time.sleep(0.05)
         return self._in_flight == 0
 
+    def lose_cluster(self, reason: str) -> None:
+        """The Ray cluster is gone: health turns NOT_SERVING and every call gets UNAVAILABLE
+        with `reason`. Requests in flight end as their workers do."""
+        self.lost = reason
+        if self.server is not None:
+            self.loop.run(self.server.set_serving(False))
+
     def stop(self) -> None:
-        if self.fleet is not None:
+        if self.fleet is not None and self.lost is None:  # a lost registry cannot be left
             self.loop.run(self.fleet.leave())
         if self.server is not None:
             self.loop.run(self.server.stop(None))
@@ -185,6 +198,9 @@ class Router(worker_pb2_grpc.AdminServicer):
         status, admitted, abort = "error", False, None
         try:
             prompt, params = validate(request, self.settings.limits, self.tokenizer, self.grammars)
+            if self.lost is not None:
+                status = "rejected"
+                raise Abort(grpc.StatusCode.UNAVAILABLE, f"{self.lost}; this router serves nothing more")
             if self._draining:
                 status = "rejected"
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry elsewhere")
@@ -229,6 +245,7 @@ class Router(worker_pb2_grpc.AdminServicer):
     async def Scale(self, request: worker_pb2.ScaleRequest, context) -> worker_pb2.ScaleResult:  # type: ignore[no-untyped-def,override]
         if self.pools is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no pool controllers to scale")
+        await self._refuse_if_lost(context)
         replan = request.HasField("planned") or request.clear_planned
         if replan and (request.HasField("replicas") or (request.HasField("planned") and request.clear_planned)):
             await context.abort(
@@ -243,12 +260,18 @@ class Router(worker_pb2_grpc.AdminServicer):
                 pool = await asyncio.to_thread(self.pools.scale, request.pool, replicas)  # type: ignore[union-attr]
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ClusterUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return worker_pb2.ScaleResult(pool=pool)
 
     async def GetStatus(self, request: worker_pb2.GetStatusRequest, context) -> worker_pb2.ClusterStatus:  # type: ignore[no-untyped-def,override]
+        await self._refuse_if_lost(context)
         workers = await asyncio.to_thread(self.pool.workers)
         loads = await self._loads(sorted(workers))
-        pools = await asyncio.to_thread(self.pools.pool_status) if self.pools is not None else []
+        try:
+            pools = await asyncio.to_thread(self.pools.pool_status) if self.pools is not None else []
+        except ClusterUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         own = self._own_status()
         routers = await self.fleet.routers(own) if self.fleet is not None else [own]
         in_flight, decisions = totals(routers)
@@ -270,6 +293,10 @@ class Router(worker_pb2_grpc.AdminServicer):
         return status
 
     # -- internals ---------------------------------------------------------------------------------
+
+    async def _refuse_if_lost(self, context) -> None:  # type: ignore[no-untyped-def]
+        if self.lost is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.lost}; this router serves nothing more")
 
     def _own_status(self) -> worker_pb2.RouterStatus:
         """This router's counters as they are (called on the loop, where they change)."""

@@ -15,13 +15,16 @@ Lifecycle of a cluster (`start(config)` -> `RayCluster`):
                 demand, which Ray's autoscaler (KubeRay on Kubernetes) answers with a node of the
                 right group. Each builds its worker, serves gRPC and registers its address.
     restart     Ray restarts a worker actor that dies; it registers its new address again
-    shutdown    stop the pools (and their workers), the registry, and a local Ray
+    probe       `probe()` asks Ray's GCS whether it is alive (`cluster.lifeline` watches it)
+    shutdown    stop the pools (and their workers), the registry, and a local Ray; a cluster
+                whose GCS is gone (`reachable=False`) only stops the local Ray
 
 Any number of router processes join a running cluster with `attach(config)`: it finds the named
 registry and pools and creates nothing, so its `shutdown` leaves them running.
 
 Worker code is loaded by module name (`ROLES`): `cluster` does not import the worker packages,
-the actors run them.
+the actors run them. A call to a named actor that Ray cannot make raises
+`cluster.lifeline.ClusterUnavailable` with Tandem's message, never Ray's own exception.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ray.util.metrics import Counter, Gauge
 from tandem.v1 import worker_pb2
 
 from cluster.config import ClusterConfig, dump_config
+from cluster.lifeline import ClusterUnavailable
 from cluster.pools.controller import PoolController
 from cluster.pools.registry import ROUTER, Registry, fleet_latency
 
@@ -239,6 +243,7 @@ class RayCluster:
     owned: bool = True
     started_ray: bool = False
     known: dict[str, str] = field(default_factory=dict)  # the registry's last answer
+    gcs_address: str = field(default_factory=lambda: str(ray.get_runtime_context().gcs_address))
 
     def discover(self) -> dict[str, str]:
         """name -> gRPC address of every registered worker (for the router). While the registry is
@@ -246,7 +251,7 @@ class RayCluster:
         Watch streams tell the router which of them are alive."""
         try:
             self.known = {name: address for name, (_, address) in self._ask(CONTROLLER, "workers").items()}
-        except (ray.exceptions.RayError, ValueError):  # ValueError: no registry under its name yet
+        except ClusterUnavailable:
             logging.getLogger("tandem.cluster").warning("the registry is out of reach", exc_info=True)
         return dict(self.known)
 
@@ -295,8 +300,19 @@ class RayCluster:
         """Kills a worker's process as a crash would (Ray restarts it)."""
         ray.kill(self.actor(name), no_restart=False)
 
-    def shutdown(self) -> None:
-        if self.owned:
+    def probe(self) -> None:
+        """Returns when Ray's GCS answers within a second; raises ClusterUnavailable otherwise.
+        (Ray's public calls that reach the GCS, such as `ray.nodes()`, retry for a minute; the GCS
+        client's `check_alive` is the bounded call `ray symmetric-run` uses.)"""
+        try:
+            ray._private.worker.global_worker.gcs_client.check_alive([], timeout=1)
+        except Exception as e:
+            raise ClusterUnavailable(f"the Ray cluster is gone: its GCS at {self.gcs_address} does not answer") from e
+
+    def shutdown(self, reachable: bool = True) -> None:
+        """Stops what this handle owns. `reachable=False` (the GCS is gone): no actor can be
+        stopped, so only a local Ray that this process started is shut down."""
+        if self.owned and reachable:
             for role in ("prefill", "decode"):  # prefill first: its KV channels close before decode stops
                 if (pool := self.actors.get(f"pool-{role}")) is not None:
                     with contextlib.suppress(Exception):
@@ -308,7 +324,21 @@ class RayCluster:
 
     def _ask(self, actor: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
         """Calls a method of one of the cluster's actors. An attached handle whose actor died (the
-        process that owns the cluster started it again under its name) looks it up again, once."""
+        process that owns the cluster started it again under its name) looks it up again, once.
+        An error the method raised comes back as it is; Ray's failing to make the call is
+        ClusterUnavailable."""
+        if not ray.is_initialized():  # shut down: any Ray call would start a new local Ray (auto-init)
+            raise ClusterUnavailable(f"the cluster's {actor} actor cannot be reached: this process left Ray")
+        try:
+            return self._call(actor, method, *args, timeout_s=timeout_s)
+        except ray.exceptions.RayTaskError:
+            raise
+        except (ray.exceptions.RayError, ValueError) as e:  # ValueError: no actor under that name
+            raise ClusterUnavailable(
+                f"the cluster's {actor} actor cannot be reached ({type(e).__name__}); is the Ray cluster up?"
+            ) from e
+
+    def _call(self, actor: str, method: str, *args: Any, timeout_s: float) -> Any:
         try:
             return ray.get(getattr(self.actors[actor], method).remote(*args), timeout=timeout_s)
         except ray.exceptions.RayActorError:
