@@ -32,7 +32,7 @@ from cluster.slo import Targets  # noqa: E402
 from planner import profile as profiles  # noqa: E402
 from planner import search, workload  # noqa: E402
 from planner.shards import simulate_sharded  # noqa: E402
-from planner.sim import Layout  # noqa: E402
+from planner.sim import Layout, Simulator  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 WORKLOADS = {"short chat": "short-chat", "long-context RAG": "rag", "code completion": "code"}
@@ -92,6 +92,34 @@ def scale(prof: profiles.Profile, workers: int, requests: int, prefill_share: fl
     }  # fmt: skip
 
 
+def breakdown(prof: profiles.Profile, layout_name: str, workers: int, requests: int, rate: float) -> dict[str, float]:
+    """Where one shard's time goes, by module: the scale run's layout and rate, `requests` of them in
+    one process under cProfile (its overhead inflates every share alike)."""
+    import cProfile
+    import pstats
+
+    n_prefill = int(layout_name.split("P")[0])
+    layout = replace(base_layout(), prefill=n_prefill, decode=workers - n_prefill)
+    sim = Simulator(prof, layout, seed=0)
+    wl = workload.load("short-chat").with_rate(rate).with_requests(requests)
+    profiler = cProfile.Profile()
+    profiler.runcall(sim.run, wl)
+    shares: dict[str, float] = {}
+    for (path, _, _), row in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        shares[_component(path)] = shares.get(_component(path), 0.0) + row[2]  # own time
+    total = sum(shares.values())
+    return {k: v / total for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
+
+
+def _component(path: str) -> str:
+    for part in ("block_manager", "decode_worker/scheduler", "prefill_worker/scheduler", "engine/request",
+                 "planner/workers", "planner/sim", "planner/routing", "planner/report", "planner/workload",
+                 "router/placement"):  # fmt: skip
+        if part in path:
+            return part
+    return "Python built-ins and the standard library"
+
+
 def plot(data: dict, path: Path) -> None:
     import matplotlib
 
@@ -129,6 +157,12 @@ def main() -> None:
         help="processes the scale run is split over (planner.shards; default: one a core)",
     )
     parser.add_argument("--skip-scale", action="store_true")
+    parser.add_argument(
+        "--breakdown-requests",
+        type=int,
+        default=20000,
+        help="requests of the profiled run that splits the time by module",
+    )
     args = parser.parse_args()
     prof = profiles.load(args.profile)
     print(f"goodput per worker by split ({args.split_workers} workers):")
@@ -154,6 +188,14 @@ def main() -> None:
             f"{s['simulated_s']:>10.0f}s{s['wall_s']:>8.0f}s{s['steps']:>12}{s['steps_per_wall_s']:>10.0f}"
             f"{s['summary']['ttft_p99_s']:>9.2f}s{s['summary']['tpot_p99_s'] * 1e3:>8.0f}ms"
         )
+        if args.breakdown_requests:
+            share = s["workers"] // args.shards
+            b = data["breakdown"] = breakdown(
+                prof, s["layout"], share, args.breakdown_requests, s["rate_req_s"] / args.shards
+            )
+            print(f"\nwhere a shard's time goes ({share} workers, {args.breakdown_requests} requests, cProfile):")
+            for part, fraction in b.items():
+                print(f"  {part:<44}{fraction:>6.1%}")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "planner_scale.json").write_text(json.dumps(data, indent=1))
     plot(data, OUT / "planner_scale.png")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -105,10 +106,14 @@ def measure(mode: str, folder: str, runs: list[tuple[workload.Workload, Targets]
         for wl, targets in runs:
             arrivals = list(workload.arrivals(wl, seed=0))
             started, (busy0, total0) = time.perf_counter(), cpu_ticks()
+            cpu0 = {role: process_cpu_s(proc.pid) for role, proc in procs.items()} | {"router": process_cpu_s()}
             timings = asyncio.run(drive(address, arrivals, router.settings.limits.vocab_size))
             duration = max(t.chunks[-1][0] for t in timings) - started
             busy1, total1 = cpu_ticks()
-            out.append({**observed(timings, targets, duration), "cpu_busy": (busy1 - busy0) / max(1, total1 - total0)})
+            cpu = {role: process_cpu_s(proc.pid) - cpu0[role] for role, proc in procs.items()}
+            cpu["router"] = process_cpu_s() - cpu0["router"]
+            seen = observed(timings, targets, duration)
+            out.append({**seen, "cpu_busy": (busy1 - busy0) / max(1, total1 - total0), "cpu_s": cpu})
             print(f"  measured {mode} {wl.name} at {wl.rate:.2f} req/s: {duration:.0f} s", flush=True)
     finally:
         router.stop()
@@ -116,6 +121,12 @@ def measure(mode: str, folder: str, runs: list[tuple[workload.Workload, Targets]
             proc.stdin.close()  # type: ignore[union-attr]
             proc.wait(30)
     return out
+
+
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default) and its threads, from /proc."""
+    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -180,6 +191,25 @@ def report(rows: list[dict]) -> None:
             print(line)
 
 
+def breakdown(rows: list[dict]) -> None:
+    """Where the time went: each worker's predicted busy seconds against the CPU seconds its process
+    used, and the router's (the benchmark process: router and client) CPU seconds, per run."""
+    print(f"\n{'workload':<11}{'rate':>6} {'layout':<10}{'span pred/meas':>18}{'decode busy/CPU':>18}"
+          f"{'prefill busy/CPU':>19}{'router CPU':>12}")  # fmt: skip
+    for row in rows:
+        for mode in LAYOUTS:
+            p, m = row["predicted"][mode], row["measured"][mode]
+            line = f"{row['workload']:<11}{row['rate_req_s']:>6.2f} {mode:<10}"
+            line += f"{p['duration_s']:>10.0f}/{m['duration_s']:<5.0f}s "
+            for role in ("decode", "prefill"):
+                if role in m["cpu_s"]:
+                    busy = p.get(f"{role}_utilisation", 0.0) * p.get(f"{role}_workers", 0.0) * p["duration_s"]
+                    line += f"{busy:>10.1f}/{m['cpu_s'][role]:<6.1f}s "
+                else:
+                    line += f"{'-':>18} "
+            print(line + f"{m['cpu_s']['router']:>9.1f} s")
+
+
 def rankings(rows: list[dict]) -> list[dict]:
     """Per run: does the predicted goodput order of the layouts match the measured one?"""
     out = []
@@ -233,6 +263,7 @@ def main() -> None:
             (OUT / "planner_validation.json").write_text(json.dumps({"rows": [r["row"] for r in runs]}, indent=1))
     rows = [r["row"] for r in runs]
     report(rows)
+    breakdown(rows)
     ranks = rankings(rows)
     agree = sum(r["predicted"] == r["measured"] for r in ranks)
     print(f"goodput ranking of the layouts right in {agree} of {len(ranks)} runs")

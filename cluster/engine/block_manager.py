@@ -46,7 +46,7 @@ class NoFreeBlocks(RuntimeError):
     """Raised when an allocation was attempted without checking `can_allocate` / `can_append`."""
 
 
-@dataclass
+@dataclass(slots=True)  # millions of them in a simulated cluster: no per-block __dict__
 class _Block:
     id: int
     ref_count: int = 0
