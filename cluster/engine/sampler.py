@@ -20,6 +20,7 @@ decoding: verification and the draft model take the token at index i from that s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,13 +123,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:  # logits [B, V] float32
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
-        logits = self._adjust(logits, rows)
+        # A greedy structured-output row is masked only when its argmax is a token the mask refuses:
+        # where the model already follows the constraint, the argmax is the masked one.
+        lazy = [i for i, r in enumerate(rows) if r.allowed is not None and r.params.greedy]
+        first = [dataclasses.replace(r, allowed=None) if r.allowed is not None and r.params.greedy else r for r in rows]
+        logits = self._adjust(logits, first if lazy else rows)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             picked = [rows[i] for i in sampled]
             tokens[sampled] = self.draw(self._probs(logits[sampled], picked), picked)
         token_ids = tokens.tolist()
+        for i in lazy:
+            allowed, t = rows[i].allowed, token_ids[i]
+            if not (int(allowed[t >> 5]) >> (t & 31)) & 1:  # type: ignore[index]
+                logits[i].masked_fill_(unpack_bitmask(~allowed[None], logits.shape[-1])[0], float("-inf"))  # type: ignore[index]
+                token_ids[i] = int(logits[i].argmax())
         if raw_logprobs is None:
             return SampleResult(token_ids, None, None)
         chosen, tops = self._logprobs(raw_logprobs, list(range(len(rows))), token_ids, rows)
@@ -260,7 +270,8 @@ class Sampler:
 
     def _adjust(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """Penalties, then the suppressed tokens and those outside a row's structured-output mask
-        at -inf; `logits` itself is never changed (plain rows, the common case, get it back as it is)."""
+        at -inf. Plain rows, the common case, get `logits` back as it is; a structured-output row's
+        mask is applied in place (the step's logits are its own: callers never read them again)."""
         adjusted = self._penalise(logits, rows)
         for i, row in enumerate(rows):
             if row.suppressed:
@@ -268,11 +279,13 @@ class Sampler:
                     adjusted = logits.clone()
                 adjusted[i, list(row.suppressed)] = float("-inf")
         constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
-        if constrained:
-            if adjusted is logits:
-                adjusted = logits.clone()
-            allowed = unpack_bitmask(torch.stack([rows[i].allowed for i in constrained]), logits.shape[-1])  # type: ignore[misc]
-            adjusted[constrained] = adjusted[constrained].masked_fill_(~allowed, float("-inf"))
+        if constrained:  # in place: one pass over each constrained row, none over the others
+            refused = unpack_bitmask(~torch.stack([rows[i].allowed for i in constrained]), logits.shape[-1])  # type: ignore[misc]
+            if len(constrained) == len(rows):
+                adjusted.masked_fill_(refused, float("-inf"))
+            else:
+                for j, i in enumerate(constrained):
+                    adjusted[i].masked_fill_(refused[j], float("-inf"))
         return adjusted
 
     def _penalise(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -331,7 +344,7 @@ class Sampler:
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[n, vocab] bool from an [n, words] int32 bitmask (bit j of word w is token 32 w + j)."""
     bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits[:, :vocab]).bool()
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab])).view(torch.bool)  # 0/1 bytes are bools
 
 
 def _follow(drafted: Sequence[int], targets: Sequence[int]) -> list[int]:

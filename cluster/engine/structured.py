@@ -143,8 +143,10 @@ class Grammars:
         eos_token_ids: Sequence[int],
         max_chars: int = MAX_SPEC_CHARS,
         cache_size: int = 256,
+        overlap: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
+        self.overlap = overlap  # masks on a thread beside the forward pass, else before it
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_chars = max_chars
         self.cache_size = cache_size
@@ -181,11 +183,15 @@ class Grammars:
         """Starts computing, on the mask thread, each entry's masks: for (first row, matcher, draft),
         one row per draft token and one past the last. Nothing may touch those matchers until
         the masks are waited for."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-masks")
         work = [(m, d) for _, m, d in entries]
         rows = sum(len(d) + 1 for _, d in work)
-        future = self._pool.submit(self._fill, work, rows)
+        if self.overlap:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-masks")
+            future = self._pool.submit(self._fill, work, rows)
+        else:
+            future = Future()
+            future.set_result(self._fill(work, rows))
         return PendingMasks(future, [s for s, _, _ in entries], [len(d) + 1 for _, d in work])
 
     def _fill(self, entries: list[tuple[Matcher, Sequence[int]]], rows: int) -> torch.Tensor:
