@@ -273,3 +273,20 @@ def test_linear_few_row_products_equal_f_linear(dtype, kernels, monkeypatch):
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 10)
     torch._dynamo.reset()
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    from cluster.model.cpu_kernels import _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(tmp_path)
+    assert lock.exists(), "a build may be running: its lock stays"
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    _clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    _clear_stale_lock(tmp_path)  # no lock at all: nothing to do

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -60,6 +61,7 @@ def _load() -> bool:
     try:
         from torch.utils import cpp_extension
 
+        _clear_stale_lock(Path(cpp_extension._get_build_directory("tandem_cpu_kernels", verbose=False)))
         cpp_extension.load(
             name="tandem_cpu_kernels",
             sources=[str(p) for p in _SOURCES],
@@ -73,6 +75,19 @@ def _load() -> bool:
         log.warning("CPU kernels unavailable, using torch's kernels instead: %s", e)
         return False
     return True
+
+
+def _clear_stale_lock(build_dir: Path, max_age_s: float = 900.0) -> None:
+    """torch's build lock outlives a build that was killed (Ctrl-C, a timeout), and every later
+    start would wait on it forever. A build takes a few minutes at most: an older lock is stale."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > max_age_s:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 _library = torch.library.Library("tandem_cpu", "DEF")
