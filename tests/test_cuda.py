@@ -1,5 +1,6 @@
-"""The same model and engine on CUDA. Skipped without a GPU; the CPU twins are test_model_vs_hf.py
-and test_engine.py, which run the identical code on the CPU."""
+"""The same model and engine on CUDA. Skipped without a GPU; the CPU twins are test_model_vs_hf.py,
+test_engine.py and test_engine.py's compiled-decode tests, which run the identical code on the CPU.
+benchmarks/gpu_check.sh runs this file on the GPU machine."""
 
 from __future__ import annotations
 
@@ -49,6 +50,28 @@ def test_cuda_engine_matches_cpu_engine(hf_models):
         return out
 
     assert run("cuda") == run("cpu")
+
+
+def test_cuda_compiled_decode_matches_cpu_engine(hf_models):
+    """Decode steps through the compiled graphs (one bucket of four rows, padded as rows finish) on
+    CUDA give the CPU engine's greedy tokens."""
+    folder, _ = hf_models["llama"]
+    cache = CacheConfig(block_size=16, num_blocks=64)
+
+    def run(device, buckets):
+        model = load_model(folder, "float32", device)
+        engine = Engine(model, NoText(), cache, SchedulerConfig(), compile_buckets=buckets)
+        for i in range(4):
+            engine.add_request(f"r{i}", list(range(5, 9 + 4 * i)), SamplingParams(max_tokens=8 + i, temperature=0))
+        out = {}
+        while engine.has_unfinished:
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out, engine.runner.compiled.steps if engine.runner.compiled is not None else 0
+
+    gpu, compiled_steps = run("cuda", (4,))
+    assert compiled_steps > 0
+    assert gpu == run("cpu", ())[0]
 
 
 @pytest.mark.skipif(
