@@ -1,6 +1,7 @@
 """Structured output through a cluster: the router, a prefill worker and two decode workers serving
-real gRPC on loopback in this process, KV shipped over `grpc`. Every kind of constraint, with local
-and remote prefill, greedy and seeded: every output validates and equals one engine's; a decode
+real gRPC on loopback in this process, KV shipped over `grpc`, one decode worker speculating with
+n-gram lookup and the other with the draft model. Every kind of constraint, with local and remote
+prefill, greedy and seeded: every output validates and equals one plain engine's; a decode
 worker stopped mid-stream loses nothing (the matcher is replayed where the requests move); bad
 constraints are refused before any worker reserves a block."""
 
@@ -21,7 +22,7 @@ from decode_worker.engine import Engine
 from prefill_worker import service as prefill_service
 from router import server as router_server
 from router.client import Choice, Client, Grammar, InvalidArgument, JsonObject, JsonSchema, Regex
-from tests.test_structured import CHOICES, CONSTRAINTS, DEMO, LARK, REGEX, SCHEMA, check
+from tests.test_structured import CHOICES, CONSTRAINTS, DEMO, DRAFT, LARK, REGEX, SCHEMA, check
 
 LOCAL_MAX = 8  # prompts up to this many tokens are prefilled on the decode worker
 TYPED = {
@@ -37,21 +38,29 @@ KINDS = ["json_schema", "regex", "grammar", "choice"]
 PROMPTS = ["x = ", "def parse(text):\n    # returns the config as a dict\n    result = {}\n    for line in text:\n"]
 
 
-def config():  # type: ignore[no-untyped-def]
+def config(speculative: dict | None = None):  # type: ignore[no-untyped-def,type-arg]
     return parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
             "cache": {"block_size": 16, "num_blocks": 256},
             "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 256},
             "router": {"local_prefill_max_tokens": LOCAL_MAX, "migration_limit": 3, "prefix_routing": "random"},
+            "speculative": speculative or {},
         }
     )
+
+
+# decode-0 speculates with n-gram lookup, decode-1 with the draft model; the reference does not.
+SPECULATIVE = [
+    {"method": "ngram", "num_tokens": 4},
+    {"method": "draft", "num_tokens": 4, "draft_model": str(DRAFT), "draft_memory_gib": 0.02},
+]
 
 
 @pytest.fixture(scope="module")
 def cluster():
     cfg = config()
-    decodes = {f"decode-{i}": decode_service.from_config(cfg, f"decode-{i}") for i in range(2)}
+    decodes = {f"decode-{i}": decode_service.from_config(config(s), f"decode-{i}") for i, s in enumerate(SPECULATIVE)}
     prefill = prefill_service.from_config(cfg, "prefill-0")
     workers = {name: w.start() for name, w in decodes.items()} | {"prefill-0": prefill.start()}
     live = dict(workers)
@@ -115,7 +124,7 @@ def run_all(address: str, progress: dict[str, int] | None = None):  # type: igno
 
 
 def test_every_kind_validates_with_local_and_remote_prefill_and_equals_one_engine(cluster, reference):
-    address = cluster[0]
+    address, _, decodes, _, _ = cluster
     threads, results, errors = run_all(address)
     for t in threads:
         t.join(300)
@@ -126,6 +135,8 @@ def test_every_kind_validates_with_local_and_remote_prefill_and_equals_one_engin
         assert tokens == reference[rid], rid
     placements = {r[2].split(":")[0] for r in results.values()}
     assert placements == {"local", "remote"}, placements
+    for w in decodes.values():  # each speculated, and kept some drafts of constrained requests
+        assert w.telemetry.metrics.spec_accepted_tokens._value.get() > 0, w.worker_id
 
 
 def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
