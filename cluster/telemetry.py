@@ -30,8 +30,23 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from cluster.config import TelemetryConfig
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# What the Ray actors send through `ray.util.metrics`: name -> (kind, help, tag keys). Ray's exporter
+# serves each as RAY_PREFIX + name (a counter with `_total` after it); the workers' own `/metrics`
+# serve their load gauges under the bare names as well.
+RAY_PREFIX = "ray_"
+RAY_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "tandem_kv_cache_usage": ("gauge", "Share of KV blocks in use.", ("worker", "role")),
+    "tandem_running_seqs": ("gauge", "Sequences in the running batch.", ("worker", "role")),
+    "tandem_waiting_seqs": ("gauge", "Sequences waiting.", ("worker", "role")),
+    "tandem_queued_prompt_tokens": ("gauge", "Prompt tokens waiting.", ("worker", "role")),
+    "tandem_pool_workers": ("gauge", "Workers serving in the pool (draining ones apart).", ("pool",)),
+    "tandem_pool_target": ("gauge", "The pool's target size (autoscaler, plan or manual override).", ("pool",)),
+    "tandem_scaling_decisions": ("counter", "Pool size changes, by pool and direction.", ("pool", "direction")),
+}
 # Latency buckets (seconds) from a millisecond to two minutes.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+REQUEST_STATUSES = ("ok", "cancelled", "rejected", "invalid", "error")  # tandem_requests{status}
+PREFILL_MODES = ("remote", "local", "none")  # tandem_requests{prefill_mode}
 _BYTES = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
 
 
@@ -86,6 +101,18 @@ class Metrics:
         self.slo_attainment = prom.Gauge(
             "tandem_slo_attainment", "Share of recent requests that met both TTFT and TPOT targets.", registry=r
         )
+        self.slo_requests = prom.Counter(
+            "tandem_slo_requests", "Finished requests, by whether they met both TTFT and TPOT targets (goodput).",
+            ["met"], registry=r,
+        )  # fmt: skip
+        # Counters exist from start at 0 for every label value known in advance.
+        for status in REQUEST_STATUSES:
+            for mode in PREFILL_MODES:
+                self.requests.labels(status, mode)
+        for where in ("decode", "prefill"):
+            self.migrations.labels(where)
+        for met in ("true", "false"):
+            self.slo_requests.labels(met)
         self.address: str | None = None
         self._server: Any = None
 

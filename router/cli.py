@@ -15,6 +15,7 @@ tandem status [--target HOST:PORT]            pools, workers, KV use, queues, pl
 tandem bench [--target HOST:PORT | --config FILE] [--rate R]   serving metrics (TTFT, TPOT, ITL, goodput)
 tandem scale POOL N|auto [--target HOST:PORT] hold a pool at N workers by hand / hand it back
 tandem certs --out DIR                        a development CA and certificate for TLS
+tandem dashboards --out DIR [--target HOST:PORT]   a Prometheus scrape config and Grafana dashboards
 tandem model init --preset tiny --out DIR     write a random-weight model folder
 tandem config check FILE                      validate a cluster config file
 
@@ -135,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
     status.set_defaults(run=_status)
 
+    from router import dashboards
+
+    dashboards.add_command(commands)
     add_commands(commands)
     add_planner_commands(commands)
     return parser
@@ -142,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.pools import ray_cluster
+    from cluster.pools.ray_observe import ray_view
     from router.replicas import Replicas
     from router.server import from_config
 
@@ -159,6 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
         http = _start_http(config, router, address)
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+        print("\n".join(ray_view().lines()), file=sys.stderr)
         if args.prompt is not None:
             keys = api_keys(config.auth)
             key = keys[0].decode() if keys else None
@@ -192,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _control(args: argparse.Namespace) -> int:
     """The cluster without a router: routers join it with `tandem router` (the Helm chart's controller)."""
     from cluster.pools import ray_cluster
+    from cluster.pools.ray_observe import ray_view
 
     config = serve_config(args.config)
     print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
@@ -201,7 +208,8 @@ def _control(args: argparse.Namespace) -> int:
         stop = _stop_on_signals()
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
         where = f"Ray at {cluster.address()}, namespace {cluster.namespace}"
-        print(f"pools up ({where}); workers: {workers}; routers join with `tandem router`", file=sys.stderr, flush=True)
+        print(f"pools up ({where}); workers: {workers}; routers join with `tandem router`", file=sys.stderr)
+        print("\n".join(ray_view().lines()), file=sys.stderr, flush=True)
         _wait(stop, lifeline)
         return 0
     finally:

@@ -199,6 +199,7 @@ def account(telemetry: Telemetry, slo: SLOWindow, root: trace.Span, stream: Stre
         m.itl.observe(gap)
     met = stream.targets.met(timing.ttft, timing.tpot)
     slo.record(met, timing.ttft, timing.tpot)
+    m.slo_requests.labels("true" if met else "false").inc()
     attainment = slo.attainment()
     if attainment is not None:
         m.slo_attainment.set(attainment)

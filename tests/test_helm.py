@@ -388,6 +388,17 @@ def test_existing_secrets_tls_http_and_monitoring(render, tmp_path):
     assert ports == {"grpc", "http", "metrics"}
 
 
+def test_the_grafana_dashboard_ships_beside_the_service_monitor(render):
+    from router.dashboards import grafana_dashboard
+
+    objects = render("existing-secret-values.yaml")
+    assert of_kind(objects, "ServiceMonitor")
+    (dashboards,) = [o for o in of_kind(objects, "ConfigMap") if o["metadata"]["name"].endswith("-grafana-dashboards")]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboards["data"]["tandem.json"]) == grafana_dashboard()  # the file is up to date
+    assert not [o for o in of_kind(render(None), "ConfigMap") if o["metadata"]["name"].endswith("-dashboards")]
+
+
 def test_one_router_has_no_disruption_budget(render):
     objects = render({"router": {"replicas": 1}})
     assert router(objects)["spec"]["replicas"] == 1

@@ -129,13 +129,15 @@ def test_serve_whose_ray_loses_its_gcs_refuses_turns_not_serving_and_exits(tmp_p
     address = f"127.0.0.1:{port}"
     ray_processes: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while _health(address) != health_pb2.HealthCheckResponse.SERVING:
             assert serve.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "the cluster did not come up"
             time.sleep(0.5)
         with Client(address, timeout=60, retries=0) as client:
             assert client.generate("def add(a, b):", max_tokens=4, temperature=0).text
+        started = log.read_text()  # the dashboard's address and how to authenticate
+        assert "Ray dashboard at http://127.0.0.1:" in started and "`ray get-auth-token`" in started, started
         ray_processes = _children(serve.pid)
         gcs = [pid for pid, name in ray_processes.items() if name == "gcs_server"]
         assert len(gcs) == 1, ray_processes

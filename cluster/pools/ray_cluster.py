@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.metrics import Counter, Gauge
 from tandem.v1 import worker_pb2
 
 from cluster.config import ClusterConfig, dump_config
 from cluster.lifeline import ClusterUnavailable
 from cluster.pools.controller import PoolController
+from cluster.pools.ray_observe import local_ray_options, ray_metric, zero
 from cluster.pools.registry import ROUTER, Registry, fleet_latency
 
 NAMESPACE = "tandem"
@@ -67,15 +67,10 @@ class WorkerActor:
         ray.get_actor(CONTROLLER, namespace=namespace).register.remote(name, role, self.address)
         threading.Thread(target=self._mirror_metrics, args=(name, role), daemon=True).start()
 
-    def _mirror_metrics(self, name: str, role: str, interval_s: float = 2.0) -> None:
-        """The worker's load gauges, also through Ray's metrics (the Ray dashboard shows them)."""
-        tags = ("worker", "role")
-        gauges = {
-            "kv_cache_usage": Gauge("tandem_kv_cache_usage", "Share of KV blocks in use.", tags),
-            "running_seqs": Gauge("tandem_running_seqs", "Sequences in the running batch.", tags),
-            "waiting_seqs": Gauge("tandem_waiting_seqs", "Sequences waiting.", tags),
-            "queued_prompt_tokens": Gauge("tandem_queued_prompt_tokens", "Prompt tokens waiting.", tags),
-        }
+    def _mirror_metrics(self, name: str, role: str, interval_s: float = 1.0) -> None:
+        """The worker's load gauges, also through Ray's metrics (as `ray_tandem_...` on Ray's exporter)."""
+        keys = ("kv_cache_usage", "running_seqs", "waiting_seqs", "queued_prompt_tokens")
+        gauges = {key: ray_metric(f"tandem_{key}") for key in keys}
         while True:
             try:
                 load = self.worker.load()
@@ -178,9 +173,10 @@ class PoolActor:
         pool = config.decode if role == "decode" else config.prefill
         self.controller = PoolController(role, pool, config.slo, self.ops)
         self.interval_s = pool.autoscaling.interval_s
-        self._decisions = Counter(
-            "tandem_scaling_decisions", "Pool size changes, by pool and direction.", ("pool", "direction")
-        )
+        self._decisions = ray_metric("tandem_scaling_decisions")
+        for direction in ("up", "down"):
+            zero(self._decisions, {"pool": role, "direction": direction})
+        self._size = {key: ray_metric(f"tandem_pool_{key}") for key in ("workers", "target")}
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -188,6 +184,7 @@ class PoolActor:
         with self._lock:
             names = self.controller.start()
         ray.get([self.ops.actors[n].get_address.remote() for n in names], timeout=timeout_s)
+        self._report_size()
         threading.Thread(target=self._loop, daemon=True).start()
         return names
 
@@ -229,6 +226,14 @@ class PoolActor:
             for direction, b, a in (("up", before[0], after[0]), ("down", before[1], after[1])):
                 if a > b:
                     self._decisions.inc(a - b, tags={"pool": self.controller.role, "direction": direction})
+            self._report_size()
+
+    def _report_size(self) -> None:
+        with self._lock:
+            status = self.controller.status()
+        tags = {"pool": self.controller.role}
+        self._size["workers"].set(len(status.workers), tags=tags)
+        self._size["target"].set(status.target, tags=tags)
 
 
 @dataclass
@@ -360,7 +365,8 @@ def start(
     Ray and their node's address on a multi-node cluster."""
     started = not ray.is_initialized()
     if started:
-        ray.init(address=config.ray_address, namespace=namespace, **ray_init)
+        local = local_ray_options() if config.ray_address is None else {}
+        ray.init(address=config.ray_address, namespace=namespace, **{**local, **ray_init})
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
     cluster = RayCluster(config, namespace, {CONTROLLER: controller}, started_ray=started)
     host = bind_host or ("127.0.0.1" if config.ray_address is None else "node")
