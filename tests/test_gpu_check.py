@@ -28,7 +28,7 @@ print(json.dumps(verdict))
 BLOCKED = ("ray", "fastapi", "uvicorn", "opentelemetry", "grpc_tools", "cryptography")
 IMPORTABLE = (
     "torch", "pydantic", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "tandem.v1.kv_transfer_pb2",
-    "cluster.config", "cluster.kv.grpc_transport", "decode_worker.kv_intake", "prefill_worker.engine", "transformers",
+    "cluster.config", "cluster.kv.grpc_transport", "decode_worker.kv_intake", "prefill_worker.engine",
 )  # fmt: skip
 
 
