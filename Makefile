@@ -24,11 +24,13 @@ $(SMOLLM2)/config.json: | $(STAMP)
 run: $(STAMP) $(SMOLLM2)/config.json
 	$(VENV)/bin/tandem serve --config examples/smollm2.yaml --port 0 --chat --prompt '$(PROMPT)' --max-tokens 48
 
-# Best effort, never failing the run: Debian's prometheus for tests/test_prometheus.py (which skips,
-# saying why, where the binary is absent).
+# Best effort, never failing the run: Debian's prometheus for tests/test_prometheus.py and chromium for
+# tests/test_dashboard_browser.py (each skips, saying why, where its binary is absent).
 test: $(STAMP)
 	-command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } || true
+	-command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } || true
 	$(PY) -m pytest
 
 lint: $(STAMP)
