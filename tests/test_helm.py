@@ -399,6 +399,13 @@ def test_the_grafana_dashboard_ships_beside_the_service_monitor(render):
     assert not [o for o in of_kind(render(None), "ConfigMap") if o["metadata"]["name"].endswith("-dashboards")]
 
 
+def test_rays_metrics_follow_within_the_stated_interval(render):
+    from cluster.pools.ray_observe import METRICS_REPORT_INTERVAL_MS
+
+    params = raycluster(render(None))["spec"]["headGroupSpec"]["rayStartParams"]
+    assert json.loads(params["system-config"]) == {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS}
+
+
 def test_one_router_has_no_disruption_budget(render):
     objects = render({"router": {"replicas": 1}})
     assert router(objects)["spec"]["replicas"] == 1
