@@ -11,6 +11,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tandem.v1 import api_pb2
 
 from cluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig, TransferConfig
@@ -275,3 +277,22 @@ def test_router_compiles_each_constraint_once_and_refuses_without_a_tokenizer(de
     assert grammars.compiles == 2, "a refused constraint is cached too"
     with pytest.raises(InvalidRequest, match="not available"):
         validate(request, Limits(1024, 4096), _Tok(tok), None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["json_schema", "regex", "grammar", "choice"]),
+    text=st.one_of(st.text(max_size=60), st.sampled_from(['{"type": "object"', '{"type": 5}', "[]", "start: /(/"])),
+)
+def test_any_constraint_text_is_compiled_or_refused_by_name(demo, kind, text):
+    """No constraint makes validation fail with anything but InvalidRequest."""
+    s = (
+        api_pb2.Structured(choice=api_pb2.Choices(choices=[text]))
+        if kind == "choice"
+        else api_pb2.Structured(**{kind: text})
+    )
+    request = api_pb2.GenerateRequest(text="hi", sampling=api_pb2.SamplingParams(max_tokens=8, structured=s))
+    try:
+        validate(request, Limits(1024, 4096), _Tok(demo[1]), demo[2])
+    except InvalidRequest as e:
+        assert str(e).startswith("sampling") and len(str(e)) > len("sampling: ")
