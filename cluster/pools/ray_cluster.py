@@ -44,7 +44,7 @@ from tandem.v1 import worker_pb2
 from cluster.config import ClusterConfig, dump_config
 from cluster.lifeline import ClusterUnavailable
 from cluster.pools.controller import PoolController
-from cluster.pools.ray_observe import local_ray_options, ray_metric, zero
+from cluster.pools.ray_observe import local_ray_options, mirror_load, ray_metric, zero
 from cluster.pools.registry import ROUTER, Registry, fleet_latency
 
 NAMESPACE = "tandem"
@@ -65,27 +65,7 @@ class WorkerActor:
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
         self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
         ray.get_actor(CONTROLLER, namespace=namespace).register.remote(name, role, self.address)
-        threading.Thread(target=self._mirror_metrics, args=(name, role), daemon=True).start()
-
-    def _mirror_metrics(self, name: str, role: str, interval_s: float = 1.0) -> None:
-        """The worker's load gauges, also through Ray's metrics (as `ray_tandem_...` on Ray's exporter)."""
-        keys = ("kv_cache_usage", "running_seqs", "waiting_seqs", "queued_prompt_tokens")
-        gauges = {key: ray_metric(f"tandem_{key}") for key in keys}
-        while True:
-            try:
-                load = self.worker.load()
-            except Exception:  # a load read racing the engine: try again next round
-                time.sleep(interval_s)
-                continue
-            values = {
-                "kv_cache_usage": 1 - load.free_kv_blocks / max(load.total_kv_blocks, 1),
-                "running_seqs": load.running_seqs,
-                "waiting_seqs": load.waiting_seqs,
-                "queued_prompt_tokens": load.queued_prompt_tokens,
-            }
-            for key, gauge in gauges.items():
-                gauge.set(values[key], tags={"worker": name, "role": role})
-            time.sleep(interval_s)
+        threading.Thread(target=mirror_load, args=(self.worker.load, name, role), daemon=True).start()
 
     def get_address(self) -> str:
         return self.address

@@ -1,12 +1,15 @@
 """What Ray shows an operator, read from the Ray this process joined: the dashboard's address and
 whether it asks for Ray's authentication token, and where Ray's own metrics exporter serves the
-`ray.util.metrics` series (with the `ray_` prefix it adds). The Ray calls of
+`ray.util.metrics` series (with the `ray_` prefix it adds); and the series the actors send there
+(`mirror_load`, `ray_metric`, `zero`). The Ray calls of
 `cluster.pools.ray_cluster` that concern observability only, kept apart so that module stays small.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +76,25 @@ def zero(counter: Counter, tags: dict[str, str]) -> None:
     """Makes a counter's series exist at 0 before its first increment (Prometheus's convention,
     so `rate()` and alerts see it from start); Ray's `inc` refuses 0, its recorder does not."""
     counter._record(0.0, tags=tags)
+
+
+def mirror_load(load: Callable[[], Any], name: str, role: str, interval_s: float = 1.0) -> None:
+    """A worker's load gauges, also through Ray's metrics (`ray_tandem_...` on Ray's exporter),
+    every `interval_s`; runs on a thread of the worker's actor for its life."""
+    keys = ("kv_cache_usage", "running_seqs", "waiting_seqs", "queued_prompt_tokens")
+    gauges = {key: ray_metric(f"tandem_{key}") for key in keys}
+    while True:
+        try:
+            now = load()
+        except Exception:  # a load read racing the engine: try again next round
+            time.sleep(interval_s)
+            continue
+        values = {
+            "kv_cache_usage": 1 - now.free_kv_blocks / max(now.total_kv_blocks, 1),
+            "running_seqs": now.running_seqs,
+            "waiting_seqs": now.waiting_seqs,
+            "queued_prompt_tokens": now.queued_prompt_tokens,
+        }
+        for key, gauge in gauges.items():
+            gauge.set(values[key], tags={"worker": name, "role": role})
+        time.sleep(interval_s)
