@@ -1,8 +1,8 @@
 """The Ray dashboard as an operator opens it: headless Chromium (Debian's `chromium`; the test skips,
 saying why, without it) loads the dashboard of a local Tandem cluster with Ray's token (the cookie
 the dashboard's own prompt sets), finds the five actors by name on its Actors page, and saves a
-screenshot (docs/images/ray-dashboard-actors.png is one it took). Without the token Ray's API
-answers 401, as docs/operations.md says."""
+screenshot of it and of the Overview and Cluster pages (docs/images/ray-dashboard-*.png are ones it
+took). Without the token Ray's API answers 401, as docs/operations.md says."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from cluster.pools.ray_observe import TOKEN_COMMAND, ray_view
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ACTORS = ("controller", "pool-prefill", "pool-decode", "prefill-0", "decode-0")
+OTHER_PAGES = {"overview": "Cluster", "cluster": "ALIVE"}  # page -> text it shows once loaded
 COOKIE = "ray-authentication-token"  # what the dashboard's token prompt sets (POST /api/authenticate)
 
 pytestmark = [
@@ -93,9 +94,22 @@ async def _actors_page(devtools: int, url: str, token: str, shot: Path, timeout_
                 answer = await _cdp(ws, "Runtime.evaluate", {"expression": "document.body.innerText"})
                 text = answer.get("result", {}).get("value", "")
             await asyncio.sleep(1)  # the table's last rows render
-            png = await _cdp(ws, "Page.captureScreenshot", {"format": "png"})
-            shot.write_bytes(base64.b64decode(png["data"]))
+            await _screenshot(ws, shot)
+            for page, marker in OTHER_PAGES.items():  # the pages docs/operations.md shows beside it
+                await _cdp(ws, "Page.navigate", {"url": f"{url}/#/{page}"})
+                seen, deadline = "", time.monotonic() + 30
+                while marker not in seen and time.monotonic() < deadline:
+                    await asyncio.sleep(1)
+                    answer = await _cdp(ws, "Runtime.evaluate", {"expression": "document.body.innerText"})
+                    seen = answer.get("result", {}).get("value", "")
+                await asyncio.sleep(2)  # its charts and tables fill in
+                await _screenshot(ws, shot.with_name(f"ray-dashboard-{page}.png"))
             return text
+
+
+async def _screenshot(ws, path: Path) -> None:  # type: ignore[no-untyped-def]
+    png = await _cdp(ws, "Page.captureScreenshot", {"format": "png"})
+    path.write_bytes(base64.b64decode(png["data"]))
 
 
 def test_the_dashboard_with_the_token_shows_the_five_actors_by_name(dashboard, tmp_path):
@@ -124,7 +138,8 @@ def test_the_dashboard_with_the_token_shows_the_five_actors_by_name(dashboard, t
         print(f"screenshot: {shot} ({shot.stat().st_size} bytes)")
         missing = [name for name in ACTORS if name not in text]
         assert not missing, f"the Actors page lacks {missing}: {text[:2000]}"
-        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        for png in (shot, *(tmp_path / f"ray-dashboard-{page}.png" for page in OTHER_PAGES)):
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         browser.terminate()
         browser.wait(30)
