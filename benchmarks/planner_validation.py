@@ -70,12 +70,14 @@ def sim_layout(config, prof: profiles.Profile, mode: str):  # type: ignore[no-un
     return replace(base_layout(config, prof, 1), prefill=1, decode=1)
 
 
-async def drive(address: str, arrivals: list[workload.Arrival], vocab: int) -> list[RequestTiming]:
+async def drive(address: str, arrivals: list[workload.Arrival], vocab: int, seed: str) -> list[RequestTiming]:
+    """Sends `arrivals` open loop. Every run draws its own prompts (`seed`): a run repeating an
+    earlier run's prompts would find them in the prefix cache, which the simulation does not."""
     import random
 
     from router.client import AsyncClient
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     timings: list[RequestTiming | None] = [None] * len(arrivals)
     async with AsyncClient(address, timeout=600, retries=0) as client:
         start = time.perf_counter()
@@ -107,7 +109,8 @@ def measure(mode: str, folder: str, runs: list[tuple[workload.Workload, Targets]
             arrivals = list(workload.arrivals(wl, seed=0))
             started, (busy0, total0) = time.perf_counter(), cpu_ticks()
             cpu0 = {role: process_cpu_s(proc.pid) for role, proc in procs.items()} | {"router": process_cpu_s()}
-            timings = asyncio.run(drive(address, arrivals, router.settings.limits.vocab_size))
+            vocab = router.settings.limits.vocab_size
+            timings = asyncio.run(drive(address, arrivals, vocab, f"{mode} {wl.name} {wl.rate}"))
             duration = max(t.chunks[-1][0] for t in timings) - started
             busy1, total1 = cpu_ticks()
             cpu = {role: process_cpu_s(proc.pid) - cpu0[role] for role, proc in procs.items()}
