@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode_roofline import decode_plan, hf_token_time, step_bytes  # noqa: E402
+from decode_roofline import _NoText, decode_plan, hf_token_time, step_bytes  # noqa: E402
+from decode_roofline import timed as roofline_timed  # noqa: E402
 
 from cluster.config import CacheConfig, SchedulerConfig  # noqa: E402
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan  # noqa: E402
@@ -62,27 +62,8 @@ class Shapes:
         self.matmul_n = 256 if dry_run else 8192
 
 
-class _NoText:
-    def decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
-        return ""
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str, repeat: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+def timed(fn: Callable[[], object], device: str, repeat: int) -> list[float]:
+    return roofline_timed(fn, device, repeat, warmup=1)  # one warm-up: the GPU loan's budget is tight
 
 
 class Floors:
