@@ -32,6 +32,10 @@ from cluster.kv.wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferEr
 from decode_worker.engine import Engine
 
 
+def _closing() -> TransferError:
+    return TransferError(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down")
+
+
 @dataclass(eq=False)
 class Transfer:
     header: KVHeader
@@ -42,6 +46,7 @@ class Transfer:
     layers: set[int] = field(default_factory=set)
     reserved_at: float = field(default_factory=time.time)
     nbytes: int = 0
+    error: TransferError | None = None  # why it failed: what a later chunk or commit is answered with
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -85,6 +90,8 @@ class KVIntake:
         self._check_header(header)
         rid = header.request_id
         with self._lock:
+            if self._stop.is_set():
+                raise _closing()
             if rid in self._transfers:
                 raise TransferError(grpc.StatusCode.ALREADY_EXISTS, f"a transfer for {rid!r} is in flight")
             self._transfers[rid] = None  # claimed; the engine may be mid-step, so reserve outside this lock
@@ -110,6 +117,9 @@ class KVIntake:
         transfer = Transfer(header, self.clock() + self.timeout_s, slots, cached)
         with self._lock:
             self._transfers[rid] = transfer
+        if self._stop.is_set():  # closed while the blocks were reserved: `close` did not see this one
+            self.fail(transfer, _closing())
+            raise _closing()
         return transfer
 
     def write(self, transfer: Transfer, chunk: KVChunk) -> None:
@@ -154,7 +164,7 @@ class KVIntake:
         with transfer.lock:
             if transfer.state in (TransferState.DONE, TransferState.FAILED):
                 return
-            transfer.state = TransferState.FAILED
+            transfer.state, transfer.error = TransferState.FAILED, error
             self.engine.release(transfer.header.request_id)
         with self._lock:
             if self._transfers.get(transfer.header.request_id) is transfer:
@@ -187,7 +197,7 @@ class KVIntake:
         with self._lock:
             transfers = [t for t in self._transfers.values() if t is not None]
         for transfer in transfers:
-            self.fail(transfer, TransferError(grpc.StatusCode.UNAVAILABLE, "the decode worker is shutting down"))
+            self.fail(transfer, _closing())
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -216,8 +226,11 @@ class KVIntake:
 
     @staticmethod
     def _require_live(transfer: Transfer) -> None:
+        """A transfer failed meanwhile (timed out, or its worker shutting down) answers with why, so
+        the sender, and the router behind it, see the first failure's code."""
         if transfer.state is TransferState.FAILED:
-            raise TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "transfer already failed (timed out or aborted)")
+            error = transfer.error or TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "transfer timed out")
+            raise TransferError(error.code, f"transfer already failed: {error.message}")
 
     def _copy_into_cache(self, transfer: Transfer, chunk: KVChunk) -> None:
         cached = transfer.cached

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from tandem.v1 import worker_pb2
+from tandem.v1 import api_pb2, worker_pb2
 
 from cluster.auth import mint_capability
 from cluster.engine.detokenizer import IncrementalDetokenizer
@@ -44,6 +44,8 @@ from router.validate import PromptTokenizer
 from router.view import WorkerView
 
 SUBMIT = "/tandem.v1.Worker/Submit"
+# The end of a request whose worker broke after streaming its last token (its max_tokens).
+LENGTH = worker_pb2.WorkerTokens(finish_reason=api_pb2.FINISH_REASON_LENGTH).SerializeToString()
 
 
 class Abort(Exception):
@@ -85,6 +87,9 @@ class Dispatcher:
         trusted = True  # ship only what the decode worker lacks, until a prefill attempt failed
         for attempt in range(s.migration_limit + 1):
             generated = list(stream.generated)
+            if attempt and len(generated) >= params.max_tokens:  # it broke after its last token
+                yield stream.response(LENGTH)
+                return
             if attempt:
                 try:
                     rest = rest_of(params, len(generated))
@@ -190,19 +195,20 @@ class Dispatcher:
                     stream.cached_tokens = result["cached"]  # type: ignore[assignment]
                 yield raw, arrived, source
         except asyncio.CancelledError:
-            failed = result.get("error")
             task = asyncio.current_task()
-            if not isinstance(failed, grpc.RpcError) or (task is not None and task.cancelling()):
+            if task is not None and task.cancelling():
                 raise  # the client left
-            # The prefill call failed and cancelled the decode call: an aio call cancelled here
-            # raises CancelledError, not RpcError.
-            raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
+            # An aio call cancelled beneath this task raises CancelledError, not RpcError: the
+            # prefill call failed and cancelled it, or its channel closed (the worker left the view).
+            if (failed := result.get("error")) is not None:
+                raise Broken(*failed, "prefill", choice.prefill or "") from None  # type: ignore[misc]
+            left = "the call was cancelled: the worker left"
+            raise Broken(grpc.StatusCode.UNAVAILABLE, left, "decode", choice.decode) from None
         except grpc.RpcError as e:
             if watcher is not None:
                 await asyncio.wait([watcher], timeout=1.0)  # the prefill call's own error, if it failed first
-            failed = result.get("error")
-            if isinstance(failed, grpc.RpcError):
-                raise Broken(failed.code(), failed.details() or "", "prefill", choice.prefill or "") from None
+            if (failed := result.get("error")) is not None:
+                raise Broken(*failed, "prefill", choice.prefill or "") from None  # type: ignore[misc]
             raise Broken(e.code(), e.details() or "", "decode", choice.decode) from None
         finally:
             result["cancelled"] = True

@@ -105,6 +105,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.draining = False
         self.refuse_watch = False  # a worker that cannot be watched: every Watch call fails at once
         self.fail_after = -1  # >= 0: the worker dies (`die`) once a Submit has sent this many messages
+        # The finish reason in a message of its own after the last token (as a decode worker sends
+        # it when a request's grammar ends or a stop string completes across steps).
+        self.finish_apart = False
         self.dead = False
         self.submitted = 0  # Submit calls taken
         self.resumed = 0  # of them, requests that came with output already generated (moved or resumed)
@@ -197,11 +200,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 if last and self.cache is not None:
                     self.cache.store([*prompt, *output[:-1]])  # the last token's KV is never computed
                     self._notify()
+                finish = api_pb2.FINISH_REASON_LENGTH if last and not self.finish_apart else None
                 yield worker_pb2.WorkerTokens(
                     request_id=request.request_id, token_ids=[token], text=f"t{token} ",
-                    num_prompt_tokens=len(prompt), num_cached_tokens=cached,
-                    finish_reason=api_pb2.FINISH_REASON_LENGTH if last else api_pb2.FINISH_REASON_UNSPECIFIED,
+                    num_prompt_tokens=len(prompt), num_cached_tokens=cached, finish_reason=finish,
                 )  # fmt: skip
+            if self.finish_apart:
+                await self._maybe_die(max_tokens - done, context)
+                yield worker_pb2.WorkerTokens(request_id=request.request_id, finish_reason=api_pb2.FINISH_REASON_LENGTH)
         finally:
             self.running -= 1
             self._notify()

@@ -4,6 +4,7 @@ messages across migrations, and the request's latency accounting."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -84,7 +85,8 @@ def rest_of(params: SamplingParams, streamed: int) -> SamplingParams:
 
 async def watch_prefill(prefill_call, decode_call, result: dict[str, object], first=None) -> None:  # type: ignore[no-untyped-def]
     """Consumes the prefill call: its first token goes to `first` (a future) as it arrives, with
-    its arrival time; if the call fails, the request fails with its error."""
+    its arrival time; if the call fails, the request fails with its error (`result["error"]`, as
+    (code, details))."""
     try:
         async for msg in prefill_call:
             result["cached"] = msg.num_cached_tokens
@@ -93,7 +95,14 @@ async def watch_prefill(prefill_call, decode_call, result: dict[str, object], fi
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.CANCELLED and result.get("cancelled"):
             return  # the router cancelled it itself
-        result["error"] = e
+        result["error"] = (e.code(), e.details() or "")
+        decode_call.cancel()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if result.get("cancelled") or (task is not None and task.cancelling()):
+            raise
+        # The call was cancelled beneath this task: its channel closed (the worker left the view).
+        result["error"] = (grpc.StatusCode.UNAVAILABLE, "the call was cancelled: the worker left")
         decode_call.cancel()
 
 

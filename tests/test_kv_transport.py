@@ -260,6 +260,28 @@ def test_sender_dying_mid_stream_frees_blocks_within_the_timeout(link, model):
     assert stream.wait(15) is TransferState.FAILED
 
 
+def test_a_worker_shutting_down_mid_transfer_answers_its_sender_unavailable(link, model):
+    """The sender learns why its transfer ended (the worker is going away: another worker may take
+    the request), not a timeout the router would give up on."""
+    sender, engine, intake = link
+    header = header_for(model, "r9", 30)
+    stream = sender.open(header)
+    kv = chunks(random_kv(header))
+    stream.send(kv[0])
+    blocks = engine.scheduler.blocks
+    start = time.monotonic()
+    while blocks.num_free_blocks == blocks.num_blocks and time.monotonic() - start < 5:
+        time.sleep(0.01)  # wait for the reservation to land
+    assert blocks.num_free_blocks < blocks.num_blocks, "the header should have reserved blocks"
+    intake.close()
+    for chunk in kv[1:]:
+        stream.send(chunk)
+    stream.commit(1)
+    expect_failure(stream, grpc.StatusCode.UNAVAILABLE)
+    assert "shutting down" in stream.error.message, stream.error
+    assert_clean(engine, intake)
+
+
 def test_duplicate_request_id_is_refused_and_the_first_transfer_survives(link, model):
     sender, engine, intake = link
     header = header_for(model, "r5", 13)

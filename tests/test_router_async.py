@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import time
 from pathlib import Path
 
 import grpc
@@ -42,9 +43,10 @@ def threads() -> int:
     return 0
 
 
-async def stream(stub, text: str, max_tokens: int) -> list[api_pb2.GenerateResponse]:  # type: ignore[no-untyped-def]
+async def stream(stub, text: str, max_tokens: int, timeout: float | None = None) -> list[api_pb2.GenerateResponse]:  # type: ignore[no-untyped-def]
     sampling = api_pb2.SamplingParams(max_tokens=max_tokens, temperature=0)
-    return [m async for m in stub.Generate(api_pb2.GenerateRequest(text=text, sampling=sampling, request_id="r"))]
+    request = api_pb2.GenerateRequest(text=text, sampling=sampling, request_id="r")
+    return [m async for m in stub.Generate(request, timeout=timeout)]
 
 
 def run_streams(address: str, n: int, max_tokens: int, channels: int = 8):  # type: ignore[no-untyped-def]
@@ -155,7 +157,54 @@ def test_a_worker_that_fails_mid_request_is_migrated_and_the_output_is_unchanged
         router.stop()
 
 
-async def _streams_of(address: str, texts: list[str], max_tokens: int):  # type: ignore[no-untyped-def]
+def test_a_worker_that_leaves_discovery_mid_stream_has_its_requests_moved(fleet):
+    """Discovery drops a worker while it streams: the router closes its channel, which cancels the
+    calls beneath their tasks. Each request moves to the other worker and ends as undisturbed."""
+    leaving = fleet.add("decode-0", step_s=0.01)
+    fleet.add("decode-1", step_s=0.01)
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        texts = [f"w{i} x y" for i in range(8)]
+        pending = asyncio.run_coroutine_threadsafe(_streams_of(address, texts, 150, timeout=60), fleet.loop)
+        while leaving.running < 2:
+            time.sleep(0.01)
+        time.sleep(0.2)  # some tokens out
+        del fleet.workers["decode-0"]  # out of discovery; the worker itself streams on
+        router.view.pool.rediscover()
+        for text, messages in zip(texts, pending.result(90), strict=True):
+            assert not isinstance(messages, BaseException), messages
+            prompt = FakeTokenizer().encode(text)
+            assert [t for m in messages for t in m.token_ids] == [fake_token(prompt, i) for i in range(150)]
+        assert router.telemetry.metrics.migrations.labels("decode")._value.get() >= 2
+    finally:
+        router.stop()
+        fleet.call(leaving.stop())
+
+
+def test_a_worker_that_fails_after_the_last_token_ends_the_request_without_moving_it(fleet):
+    """All max_tokens streamed, the finish lost with the worker: the router ends the stream with
+    "length" itself (a move would ask a worker for no tokens at all)."""
+    broken = fleet.add("decode-0", step_s=0.002)
+    broken.finish_apart, broken.fail_after = True, 6
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        [messages] = asyncio.run(_streams_of(address, ["w1 x y"], 6))
+        assert not isinstance(messages, BaseException), messages
+        assert [t for m in messages for t in m.token_ids] == [
+            fake_token(FakeTokenizer().encode("w1 x y"), i) for i in range(6)
+        ]
+        assert messages[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH
+        assert messages[-1].usage.completion_tokens == 6
+        assert router.telemetry.metrics.migrations.labels("decode")._value.get() == 1
+        assert broken.submitted == 1, "nothing was left to ask a worker for"
+    finally:
+        router.stop()
+
+
+async def _streams_of(address: str, texts: list[str], max_tokens: int, timeout: float | None = None):  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = api_pb2_grpc.TandemStub(channel)
-        return await asyncio.gather(*(stream(stub, t, max_tokens) for t in texts), return_exceptions=True)
+        calls = (stream(stub, t, max_tokens, timeout) for t in texts)
+        return await asyncio.gather(*calls, return_exceptions=True)
