@@ -16,6 +16,7 @@ from cluster.config import parse_config
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
 from router import server as router_server
+from router.client import Client, JsonObject
 from router.http import HTTPServer, create_app
 from tests.smollm2 import real
 
@@ -63,7 +64,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def api(smollm2):
+def cluster(smollm2):
+    """The router's gRPC address and the OpenAI client of its HTTP face."""
     config = parse_config(
         {
             "model": {"path": str(smollm2), "dtype": "float32", "name": "smollm2"},
@@ -75,12 +77,38 @@ def api(smollm2):
     prefill = prefill_service.from_config(config, "prefill-0")
     workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
     router = router_server.from_config(config, lambda: workers)
-    http = HTTPServer(create_app(router.start(), "smollm2", router.telemetry.metrics.registry), "127.0.0.1", 0)
-    yield openai.OpenAI(base_url=f"http://{http.start()}/v1", api_key="none", max_retries=0, timeout=300)
+    address = router.start()
+    http = HTTPServer(create_app(address, "smollm2", router.telemetry.metrics.registry), "127.0.0.1", 0)
+    yield address, openai.OpenAI(base_url=f"http://{http.start()}/v1", api_key="none", max_retries=0, timeout=300)
     http.stop()
     router.stop()
     prefill.stop()
     decode.stop()
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    return cluster[1]
+
+
+def test_any_json_object_parses_with_local_and_remote_prefill(cluster):
+    """`JsonObject` through the SDK: a short chat is prefilled on the decode worker, one past
+    `local_prefill_max_tokens` on the prefill worker; greedy and seeded, each ends a JSON object."""
+    short = [{"role": "user", "content": "Give me a JSON object with a name and an age."}]
+    note = (
+        "Here is a short note about a book: The Hobbit was written by J. R. R. Tolkien and published in 1937. It "
+        "tells the story of Bilbo Baggins, who travels with dwarves to reclaim their treasure. "
+    )
+    long = [{"role": "user", "content": note + "Give me a JSON object with the title, author and year."}]
+    placements = set()
+    with Client(cluster[0], timeout=300) as client:
+        for messages in (short, long):
+            for sampling in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 3}):
+                done = client.generate(messages, max_tokens=96, structured=JsonObject(), **sampling)
+                assert done.finish_reason == "stop", done.text
+                assert isinstance(json.loads(done.text), dict), done.text
+                placements.add(done.metadata["tandem-prefill"].split(":")[0])
+    assert placements == {"local", "remote"}
 
 
 def test_json_schema_output_validates(api):
