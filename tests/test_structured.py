@@ -250,6 +250,7 @@ BAD = [
     ({"regex": "a(b"}, "unclosed group"),
     ({"grammar": "start: foo"}, 'unknown name: "foo"'),
     ({"regex": "a" * 70_000}, "at most 65536"),
+    ({"regex": "(a{1000}){1000}"}, "too complex"),  # small, and past the lexer's limits
     ({"choice": api_pb2.Choices(choices=[str(i) for i in range(2000)])}, "at most 1024"),
     ({"json_object": False}, "set it to true"),
     ({"choice": api_pb2.Choices()}, "no choices"),

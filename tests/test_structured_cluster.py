@@ -145,7 +145,10 @@ def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
     while prefill.engine.scheduler.held or any(w.engine.has_unfinished for w in decodes.values()):
         assert time.monotonic() < deadline, "the cluster never went idle"
         time.sleep(0.05)
-    bad = [JsonSchema('{"type": "objectx"}'), Regex("a(b"), Grammar("start: foo"), JsonSchema({"if": {}})]
+    bad = [
+        JsonSchema('{"type": "objectx"}'), Regex("a(b"), Grammar("start: foo"), JsonSchema({"if": {}}),
+        Regex("(a{1000}){1000}"),  # small, but past the matcher's limits
+    ]  # fmt: skip
     with Client(address, timeout=60) as client:
         for constraint in bad:
             for prompt in PROMPTS:  # local and remote prefill alike

@@ -42,6 +42,10 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema, regex, grammar or the choices together
 MAX_CHOICES = 1024
 # Compact JSON: no free whitespace, so a model cannot pad a value with spaces until max_tokens.
 JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+# A fifth of llguidance's default fuel for building the lexer's regexes: a few milliseconds, which
+# every schema, regex and grammar of the tests and benchmarks stays far within, while a small one
+# that explodes (`(a{1000}){1000}`: a 1.7 s first mask by default) fails fast and is refused.
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=200_000)
 
 
 def grammar_text(c: Constraint) -> str:
@@ -228,10 +232,24 @@ class Grammars:
             grammar = grammar_text(c)
         except ValueError as e:
             return str(e) if str(e).startswith("structured.") else f"structured.{c.kind}: {e}"
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if m.is_error():
-            return f"structured.{c.kind}: {_short(m.get_error())}"
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+        error = m.get_error() if m.is_error() else self._probe(m.deep_copy())
+        if error:
+            return f"structured.{c.kind}: {_short(error)}"
         return m
+
+    def _probe(self, m: llguidance.LLMatcher) -> str:
+        """Takes a first step: the first mask, and one token it allows. A grammar too complex
+        for the limits fails here (most at their first token), so it is refused where it is
+        checked, not on the worker in the middle of a batch. Returns the error, or ""."""
+        bitmask = torch.zeros(1, self.words, dtype=torch.int32)
+        llg_torch.fill_next_token_bitmask(m, bitmask, 0)
+        words = (bitmask[0] & ~self._eos_only).nonzero()
+        if not m.is_error() and len(words):
+            word = int(words[0])
+            bits = int(bitmask[0, word]) & ~int(self._eos_only[word]) & 0xFFFFFFFF
+            m.consume_token(32 * word + (bits & -bits).bit_length() - 1)
+        return f"too complex for the matcher's limits: {m.get_error().splitlines()[0]}" if m.is_error() else ""
 
 
 def grammatical(matcher: Matcher | None, draft: Draft) -> Draft:
