@@ -8,6 +8,9 @@ Lifecycle of one transfer:
                                  straight into the reserved blocks of the paged cache
     commit(token)     DONE       every layer has landed: the engine admits the sequence, with the
                                  prefill worker's first token, into its running batch
+    (no room now)     DONE       the worker's cache or batch is full: the sequence joins its waiting
+                                 queue and is prefilled here when room frees (preempting as any
+                                 waiting request may); the chunks are read and dropped
     fail(error)       FAILED     on any error, a broken stream, or `timeout_s` after reservation:
                                  every reserved block is freed
 
@@ -47,6 +50,7 @@ class Transfer:
     reserved_at: float = field(default_factory=time.time)
     nbytes: int = 0
     error: TransferError | None = None  # why it failed: what a later chunk or commit is answered with
+    here: bool = False  # no room for it: the sequence waits to be prefilled on this worker instead
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -77,6 +81,7 @@ class KVIntake:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self.prefilled_here = 0  # transfers refused for want of room, their sequences prefilled here
         # request id -> (reserved at, admitted at, bytes), for the worker's traces; popped by it
         self.admitted: dict[str, tuple[float, float, int]] = {}
 
@@ -97,7 +102,9 @@ class KVIntake:
             self._transfers[rid] = None  # claimed; the engine may be mid-step, so reserve outside this lock
         try:
             table, cached = self.engine.reserve(rid, header.token_ids, header.sampling, header.num_output_tokens)
-        except (KeyError, ValueError, MemoryError) as e:
+        except MemoryError:
+            return self._prefill_here(header)
+        except (KeyError, ValueError) as e:
             with self._lock:
                 del self._transfers[rid]
             code = {KeyError: grpc.StatusCode.ALREADY_EXISTS, ValueError: grpc.StatusCode.OUT_OF_RANGE}
@@ -123,6 +130,8 @@ class KVIntake:
         return transfer
 
     def write(self, transfer: Transfer, chunk: KVChunk) -> None:
+        if transfer.here:
+            return
         try:
             verify_chunk(transfer.header, chunk)
             with transfer.lock:
@@ -137,6 +146,8 @@ class KVIntake:
 
     def commit(self, transfer: Transfer, commit: KVCommit) -> int:
         header = transfer.header
+        if transfer.here:
+            return 0
         try:
             with transfer.lock:
                 self._require_live(transfer)
@@ -169,6 +180,22 @@ class KVIntake:
         with self._lock:
             if self._transfers.get(transfer.header.request_id) is transfer:
                 del self._transfers[transfer.header.request_id]
+
+    def _prefill_here(self, header: KVHeader) -> Transfer:
+        """No room for the transfer's blocks now: rather than refuse the request, queue it to be
+        prefilled on this worker (the same tokens: sampling is a function of the seed and the
+        output index, so its first token is the prefill worker's)."""
+        rid, tokens = header.request_id, list(header.token_ids)
+        cut = len(tokens) - header.num_output_tokens
+        try:
+            self.engine.add_request(rid, tokens[:cut], header.sampling, tokens[cut:])
+        except ValueError as e:
+            raise TransferError(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
+        finally:
+            with self._lock:
+                del self._transfers[rid]
+        self.prefilled_here += 1
+        return Transfer(header, self.clock(), torch.empty(0, dtype=torch.long), 0, TransferState.DONE, here=True)
 
     # -- timeouts ----------------------------------------------------------------------------------
 

@@ -303,7 +303,9 @@ def test_duplicate_request_id_is_refused_and_the_first_transfer_survives(link, m
     assert_clean(engine, intake)
 
 
-def test_no_room_is_resource_exhausted(link, model):
+def test_no_room_now_queues_the_sequence_to_be_prefilled_here(link, model):
+    """A full worker takes the request rather than refuse it: the chunks are dropped, and the
+    sequence waits in its queue until room frees, then is prefilled here."""
     sender, engine, intake = link
     size = CACHE.num_blocks * CACHE.block_size - 8  # fits an empty cache, not one holding "busy"
     header = header_for(model, "r6", size, token_ids=(7,) * size, sampling=SamplingParams(max_tokens=4))
@@ -313,10 +315,17 @@ def test_no_room_is_resource_exhausted(link, model):
     busy.commit(1)
     assert busy.wait(15) is TransferState.DONE, busy.error
     stream = sender.open(header)
+    for chunk in chunks(random_kv(header)):
+        stream.send(chunk)
     stream.commit(1)
-    expect_failure(stream, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert stream.wait(15) is TransferState.DONE, stream.error
+    assert stream.num_blocks == 0 and intake.prefilled_here == 1
+    assert [r.request_id for r in engine.scheduler.waiting] == ["r6"]
     engine.step()
     assert engine.abort("busy")
+    outputs = [o for _ in range(3) for o in engine.step() if o.request_id == "r6"]
+    assert outputs and outputs[0].token_ids, "prefilled here once room freed"
+    assert engine.abort("r6")
     assert_clean(engine, intake)
 
 

@@ -25,6 +25,7 @@ from router.client import Choice, Client, Grammar, InvalidArgument, JsonObject, 
 from tests.test_structured import CHOICES, CONSTRAINTS, DEMO, DRAFT, LARK, REGEX, SCHEMA, check
 
 LOCAL_MAX = 8  # prompts up to this many tokens are prefilled on the decode worker
+TIGHT_BLOCKS = 10  # of 16 tokens: the 16 requests need up to 8 each
 TYPED = {
     "json_schema": JsonSchema(SCHEMA),
     "json_object": JsonObject(),
@@ -137,6 +138,35 @@ def test_every_kind_validates_with_local_and_remote_prefill_and_equals_one_engin
     assert placements == {"local", "remote"}, placements
     for w in decodes.values():  # each speculated, and kept some drafts of constrained requests
         assert w.telemetry.metrics.spec_accepted_tokens._value.get() > 0, w.worker_id
+
+
+@pytest.fixture
+def tight():
+    """A router, a prefill worker and one decode worker, speculating with the draft model, whose
+    KV cache holds about half of what the load needs: it preempts (and recomputes) sequences."""
+    cfg = config(SPECULATIVE[1])
+    cfg = cfg.model_copy(update={"cache": cfg.cache.model_copy(update={"num_blocks": TIGHT_BLOCKS, "watermark": 0.0})})
+    decode = decode_service.from_config(cfg, "decode-0")
+    prefill = prefill_service.from_config(config(), "prefill-0")
+    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
+    router = router_server.from_config(config(), lambda: workers)
+    yield router.start(), decode
+    router.stop()
+    prefill.stop()
+    decode.stop()
+
+
+def test_under_preemption_every_kind_validates_and_equals_one_engine(tight, reference):
+    address, decode = tight
+    threads, results, errors = run_all(address)
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    for rid, (_, kind, _) in requests().items():
+        check(kind, results[rid][1])
+        assert results[rid][0] == reference[rid], rid
+    assert decode.engine.scheduler.stats.num_preemptions > 0, "the KV budget should force preemptions"
+    assert decode.engine.scheduler.blocks.num_free_blocks == decode.engine.num_blocks
 
 
 def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
