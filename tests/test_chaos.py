@@ -19,12 +19,15 @@ import ray
 
 from cluster.config import parse_config
 from cluster.engine.request import SamplingParams
+from cluster.engine.structured import for_tokenizer
 from cluster.model.loader import load_model
 from cluster.model.tokenizer import Tokenizer
 from cluster.pools import ray_cluster
 from decode_worker.engine import Engine
 from router.client import Client
 from router.server import from_config
+from tests.test_structured import CONSTRAINTS, check
+from tests.test_structured_cluster import KINDS, PROMPTS, TYPED
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
@@ -67,13 +70,18 @@ def seeded(i: int) -> dict[str, float]:
 
 
 def reference(requests: Requests) -> dict[str, tuple[list[int], str]]:
-    """Every request run undisturbed in one engine in this process."""
+    """Every request run undisturbed in one engine in this process (a constrained one's
+    `structured` is the name of its kind)."""
     tok = Tokenizer(DEMO)
     cfg = config()
-    engine = Engine(load_model(DEMO, "float32"), tok, cfg.cache, cfg.scheduler, tok.eos_token_ids)
+    model = load_model(DEMO, "float32")
+    grammars = for_tokenizer(tok, model.arch.vocab_size, tok.eos_token_ids)
+    engine = Engine(model, tok, cfg.cache, cfg.scheduler, tok.eos_token_ids, grammars=grammars)
     for rid, (prompt, max_tokens, sampling) in requests.items():
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **sampling})
-        engine.add_request(rid, prompt, params)  # type: ignore[arg-type]
+        fields = {"temperature": 0.0, "ignore_eos": True, **sampling}
+        if "structured" in fields:
+            fields["structured"] = CONSTRAINTS[fields["structured"]]  # type: ignore[index]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, **fields))  # type: ignore[arg-type]
     out: dict[str, tuple[list[int], str]] = {rid: ([], "") for rid in requests}
     while engine.has_unfinished:
         for o in engine.step():
@@ -90,6 +98,8 @@ def run_with_a_kill(address: str, handle, victim: str, requests, kill_when) -> d
     def one(rid: str, prompt: list[int], max_tokens: int, sampling: dict[str, float]) -> None:
         tokens, text = [], ""
         fields = {"temperature": 0, "ignore_eos": True, **sampling}
+        if "structured" in fields:
+            fields["structured"] = TYPED[fields["structured"]]  # type: ignore[index]
         try:
             with Client(address, timeout=300, retries=0) as client:
                 for delta in client.stream(prompt, max_tokens=max_tokens, **fields):
@@ -142,3 +152,25 @@ def test_a_killed_prefill_worker_loses_no_request(cluster):
     )
     assert results == reference(requests)
     assert router.telemetry.metrics.migrations.labels("prefill")._value.get() - before >= 1
+
+
+def test_a_killed_decode_worker_loses_no_constrained_request(cluster):
+    """Every constraint kind, prefilled locally and remotely, greedy and seeded: the requests the
+    kill breaks move with the tokens they streamed, the matcher is replayed over them where they
+    land, and every output validates and is the undisturbed one."""
+    handle, router, address = cluster
+    tok = Tokenizer(DEMO)
+    requests: Requests = {}
+    for p, prompt in enumerate(PROMPTS):
+        for kind in KINDS:
+            base = {"structured": kind, "ignore_eos": False}
+            requests[f"{kind}-{p}-g"] = (tok.encode(prompt), 96, base)  # type: ignore[dict-item]
+            requests[f"{kind}-{p}-s"] = (tok.encode(prompt), 96, {**base, **seeded(10 * p + len(kind))})  # type: ignore[dict-item]
+    before = router.telemetry.metrics.migrations.labels("decode")._value.get()
+    results = run_with_a_kill(
+        address, handle, "decode-0", requests, kill_when=lambda p: sum(1 for n in p.values() if n >= 3) >= 4
+    )
+    assert results == reference(requests)
+    for rid, (_, _, sampling) in requests.items():
+        check(sampling["structured"], results[rid][1])  # type: ignore[arg-type]
+    assert router.telemetry.metrics.migrations.labels("decode")._value.get() > before
