@@ -2,7 +2,8 @@
 workers from the pushed view, call them over `grpc.aio`, relay the decode worker's messages as
 they came (`Stream.response` appends what the router adds), and migrate when a worker fails.
 
-    place      `LoadIndex.choose` (no RPC); NoCapacity waits up to `migration_wait_s` on a move
+    place      `LoadIndex.choose` (no RPC); NoCapacity waits up to `migration_wait_s` on a move, and
+               `watch_stale_after_s` while no decode worker is in view
     attempt    decode.Submit (the response stream), prefill.Submit beside it as a task; the
                prefill worker's first token is streamed as it arrives (`router.first_token_from_prefill`)
     migrate    a migratable failure: the prompt and the tokens already streamed go to a live
@@ -28,7 +29,7 @@ from cluster.auth import mint_capability
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.telemetry import Telemetry
-from router.placement import Choice, NoCapacity
+from router.placement import Choice, NoCapacity, NoneInView
 from router.relay import (
     Broken,
     Stream,
@@ -145,10 +146,11 @@ class Dispatcher:
 
     async def place(self, prompt: list[int], params: SamplingParams, wait_s: float) -> Choice:
         """Chooses workers from the view the workers push (no RPC here), waiting up to `wait_s` for
-        one to come back (a restarting worker). Beam search needs the prompt's logits on the
-        decode worker, so it is prefilled there."""
+        one to come back (a restarting worker), and at least `watch_stale_after_s` while no decode
+        worker is in view at all (every one late with its heartbeat, on a loaded machine). Beam
+        search needs the prompt's logits on the decode worker, so it is prefilled there."""
         s = self.settings
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
         local = s.local_prefill_max_tokens if params.num_beams == 1 else len(prompt)
         max_tokens = params.max_tokens * params.num_beams
         rediscovered = False
@@ -157,14 +159,15 @@ class Dispatcher:
                 if s.prefix_routing == "random":
                     return self.view.index.choose_random(prompt, max_tokens, s.block_size, local, self._rng)
                 return self.view.index.choose(prompt, max_tokens, s.block_size, local)
-            except NoCapacity:
+            except NoCapacity as e:
                 if not rediscovered:  # a worker added since the last discovery may fit
                     await self.view.refresh_async()
                     rediscovered = True
                     continue
-                if time.monotonic() >= deadline or not wait_s:
+                patience = max(wait_s, s.watch_stale_after_s) if isinstance(e, NoneInView) else wait_s
+                if time.monotonic() - start >= patience:
                     raise
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.05 if isinstance(e, NoneInView) else 0.2)
 
     async def _attempt(
         self,

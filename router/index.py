@@ -6,7 +6,9 @@ Lifecycle of a worker here:
     update(name, load)   a snapshot: the worker is placeable (unless draining or wedged)
     heard(name)          a heartbeat: the last snapshot still holds
     remove(name)         its stream broke, or discovery lost it: out of placement at once
-    stale                nothing heard for `stale_after_s`: `choose` passes it over and drops it
+    stale                nothing heard for `stale_after_s`: `choose` passes it over and sets it
+                         aside; its next heartbeat or snapshot puts it back (an idle worker's load
+                         does not change, so a heartbeat alone must be enough)
 
 Decode workers are kept sorted by (running + waiting, -free blocks, name) and prefill workers by
 (queued prompt tokens, name), each updated by one bisection when a snapshot arrives; the prefill
@@ -25,7 +27,7 @@ from collections.abc import Callable, Sequence
 from tandem.v1 import worker_pb2
 
 from cluster.engine.kv_events import block_hashes
-from router.placement import Choice, NoCapacity, Ring, best_holder, cheapest_decode
+from router.placement import Choice, NoCapacity, NoneInView, Ring, best_holder, cheapest_decode
 from router.prefix_index import PrefixIndex
 
 
@@ -45,20 +47,19 @@ class LoadIndex:
 
     def update(self, name: str, load: worker_pb2.WorkerLoad) -> None:
         with self._lock:
-            was_prefill = len(self._keys.get(name, ())) == 2
-            self._unindex(name)
+            was_prefill = self._unindex(name)
             self._loads[name], self._seen[name] = load, self.clock()
-            key = _key(load, name)
-            if key is not None:
-                bisect.insort(self._decode if len(key) == 3 else self._prefill, key)  # type: ignore[arg-type]
-                self._keys[name] = key
-            if was_prefill != (key is not None and len(key) == 2):
+            if was_prefill != self._index(name, load):
                 self._ring = None  # the placeable prefill workers changed
 
     def heard(self, name: str) -> None:
         with self._lock:
-            if name in self._loads:
-                self._seen[name] = self.clock()
+            load = self._loads.get(name)
+            if load is None:
+                return
+            self._seen[name] = self.clock()
+            if name not in self._keys and self._index(name, load):  # set aside while it was late
+                self._ring = None
 
     def apply_kv(self, name: str, batch: worker_pb2.KVEvents) -> bool:
         """One batch of a worker's cache events into the prefix index; False on a gap."""
@@ -78,12 +79,12 @@ class LoadIndex:
             return {n: load for n, load in self._loads.items() if now - self._seen[n] <= self.stale_after_s}
 
     def sweep(self) -> list[str]:
-        """Drops every worker past the staleness bound; returns their names."""
+        """Sets aside every placeable worker past the staleness bound; returns their names."""
         with self._lock:
             now = self.clock()
-            stale = [n for n, seen in self._seen.items() if now - seen > self.stale_after_s]
+            stale = [n for n in self._keys if now - self._seen[n] > self.stale_after_s]
             for name in stale:
-                self._drop(name)
+                self._set_aside(name)
             return stale
 
     def choose(
@@ -121,14 +122,14 @@ class LoadIndex:
             while self._prefill:
                 shortest = self._prefill[0][1]
                 if self._stale(shortest, now):
-                    self._drop(shortest)
+                    self._set_aside(shortest)
                     continue
                 if self._ring is None:
                     self._ring = Ring(sorted(n for _, n in self._prefill))
                     self.ring_builds += 1
                 owner = self._ring.owner(prompt[:block_size])
                 if self._stale(owner, now):
-                    self._drop(owner)
+                    self._set_aside(owner)
                     continue
                 gap = self._loads[owner].queued_prompt_tokens - self._loads[shortest].queued_prompt_tokens
                 if gap <= queue_slack_tokens:
@@ -144,9 +145,10 @@ class LoadIndex:
         with self._lock:
             now = self.clock()
             needed = -(-(len(prompt) + max_tokens) // block_size)
-            fresh = [
-                n for _, _, n in self._decode if not self._stale(n, now) and self._loads[n].total_kv_blocks >= needed
-            ]
+            seen = [n for _, _, n in self._decode if not self._stale(n, now)]
+            if not seen:
+                raise NoneInView(f"no decode worker has reported in the last {self.stale_after_s:g} s")
+            fresh = [n for n in seen if self._loads[n].total_kv_blocks >= needed]
             if not fresh:
                 raise NoCapacity(f"no decode worker can hold {needed} KV blocks")
             roomy = [n for n in fresh if self._loads[n].free_kv_blocks >= needed]
@@ -163,12 +165,13 @@ class LoadIndex:
     def _choose_decode(self, needed: int, now: float) -> str:
         """The lightest decode worker with `needed` blocks free, else the lightest that can hold
         them at all: the first such in the decode order, so usually its first entry."""
-        fallback, stale = None, []
+        fallback, stale, fresh = None, [], 0
         try:
             for _, _, name in self._decode:
                 if self._stale(name, now):
                     stale.append(name)
                     continue
+                fresh += 1
                 load = self._loads[name]
                 if load.free_kv_blocks >= needed and load.total_kv_blocks >= needed:
                     return name
@@ -176,7 +179,9 @@ class LoadIndex:
                     fallback = name
         finally:
             for name in stale:
-                self._drop(name)
+                self._set_aside(name)
+        if not fresh:
+            raise NoneInView(f"no decode worker has reported in the last {self.stale_after_s:g} s")
         if fallback is None:
             raise NoCapacity(f"no decode worker can hold {needed} KV blocks")
         return fallback
@@ -184,22 +189,36 @@ class LoadIndex:
     def _stale(self, name: str, now: float) -> bool:
         return now - self._seen[name] > self.stale_after_s
 
-    def _unindex(self, name: str) -> None:
+    def _index(self, name: str, load: worker_pb2.WorkerLoad) -> bool:
+        """Puts an unindexed worker in its role's order if it takes requests now; True for a
+        prefill worker (the ring's members)."""
+        key = _key(load, name)
+        if key is None:
+            return False
+        bisect.insort(self._decode if len(key) == 3 else self._prefill, key)  # type: ignore[arg-type]
+        self._keys[name] = key
+        return len(key) == 2
+
+    def _unindex(self, name: str) -> bool:
+        """Takes a worker out of its order; True if it was a placeable prefill worker."""
         key = self._keys.pop(name, None)
         if key is None:
-            return
+            return False
         order = self._decode if len(key) == 3 else self._prefill
         del order[bisect.bisect_left(order, key)]
+        return len(key) == 2
+
+    def _set_aside(self, name: str) -> None:
+        """Out of placement until it is heard from again (its snapshot and prefix blocks kept)."""
+        if self._unindex(name):
+            self._ring = None
 
     def _drop(self, name: str) -> None:
         if self.prefix is not None:
             self.prefix.drop(name)  # a worker back from the dead starts again from a snapshot
-        key = self._keys.get(name)
-        self._unindex(name)
+        self._set_aside(name)
         self._loads.pop(name, None)
         self._seen.pop(name, None)
-        if key is not None and len(key) == 2:
-            self._ring = None
 
 
 def _key(load: worker_pb2.WorkerLoad, name: str) -> tuple | None:

@@ -51,6 +51,11 @@ class NoCapacity(RuntimeError):
     """No decode worker can take the sequence now."""
 
 
+class NoneInView(NoCapacity):
+    """No decode worker has reported recently enough to be placed on (none up yet, or every one
+    late with its heartbeat): a moment's wait may bring one back."""
+
+
 def choose(
     prompt: Sequence[int],
     max_tokens: int,

@@ -11,7 +11,7 @@ from tandem.v1 import worker_pb2
 
 from router.fake_workers import FakeFleet
 from router.index import LoadIndex
-from router.placement import NoCapacity, choose
+from router.placement import NoCapacity, NoneInView, choose
 from router.pool import WorkerPool
 from router.view import WorkerView
 
@@ -63,6 +63,30 @@ def test_stale_views_are_refused_past_their_bound():
     now[0] = 4.0
     with pytest.raises(NoCapacity):
         index.choose([1], 1, 16, 8)
+
+
+def test_a_late_worker_is_set_aside_and_its_next_heartbeat_brings_it_back():
+    """An idle worker's load does not change, so it sends heartbeats only: one late past the
+    bound is passed over, and the next heartbeat makes its last snapshot placeable again."""
+    now = [0.0]
+    index = LoadIndex(stale_after_s=2.0, clock=lambda: now[0])
+    index.update("decode-0", worker_pb2.WorkerLoad(role="decode", free_kv_blocks=10, total_kv_blocks=10))
+    index.update("prefill-0", worker_pb2.WorkerLoad(role="prefill", free_kv_blocks=10, total_kv_blocks=10))
+    long_prompt = list(range(40))
+    assert index.choose(long_prompt, 1, 16, 8).prefill == "prefill-0"
+    now[0] = 3.0
+    with pytest.raises(NoneInView, match="no decode worker has reported"):
+        index.choose(long_prompt, 1, 16, 8)
+    assert index.sweep() == ["prefill-0"] and not index.loads()
+    now[0] = 3.5
+    index.heard("decode-0")
+    index.heard("prefill-0")
+    choice = index.choose(long_prompt, 1, 16, 8)
+    assert (choice.decode, choice.prefill) == ("decode-0", "prefill-0")
+    assert set(index.loads()) == {"decode-0", "prefill-0"}
+    with pytest.raises(NoCapacity, match="can hold 15 KV blocks") as e:
+        index.choose(long_prompt, 200, 16, 8)  # 240 tokens: more than the worker's 10 blocks
+    assert not isinstance(e.value, NoneInView), "a worker is in view: waiting would not help"
 
 
 def test_the_ring_is_rebuilt_only_when_membership_changes():
