@@ -124,9 +124,8 @@ def run_all(address: str, progress: dict[str, int] | None = None):  # type: igno
     return threads, results, errors
 
 
-def test_every_kind_validates_with_local_and_remote_prefill_and_equals_one_engine(cluster, reference):
-    address, _, decodes, _, _ = cluster
-    threads, results, errors = run_all(address)
+def assert_undisturbed(threads, results, errors, reference) -> None:  # type: ignore[no-untyped-def]
+    """Once every request ended: none failed, and each output validates and equals one engine's."""
     for t in threads:
         t.join(300)
     assert not errors, errors[:3]
@@ -134,6 +133,12 @@ def test_every_kind_validates_with_local_and_remote_prefill_and_equals_one_engin
         tokens, text, _ = results[rid]
         check(kind, text)
         assert tokens == reference[rid], rid
+
+
+def test_every_kind_validates_with_local_and_remote_prefill_and_equals_one_engine(cluster, reference):
+    address, _, decodes, _, _ = cluster
+    threads, results, errors = run_all(address)
+    assert_undisturbed(threads, results, errors, reference)
     placements = {r[2].split(":")[0] for r in results.values()}
     assert placements == {"local", "remote"}, placements
     # Speculation kept drafts of constrained requests (how many land on each worker is placement's
@@ -160,13 +165,7 @@ def tight():
 
 def test_under_preemption_every_kind_validates_and_equals_one_engine(tight, reference):
     address, decode = tight
-    threads, results, errors = run_all(address)
-    for t in threads:
-        t.join(300)
-    assert not errors, errors[:3]
-    for rid, (_, kind, _) in requests().items():
-        check(kind, results[rid][1])
-        assert results[rid][0] == reference[rid], rid
+    assert_undisturbed(*run_all(address), reference)
     assert decode.engine.scheduler.stats.num_preemptions > 0, "the KV budget should force preemptions"
     assert decode.engine.scheduler.blocks.num_free_blocks == decode.engine.num_blocks
 
@@ -208,10 +207,5 @@ def test_a_decode_worker_stopped_mid_stream_loses_nothing(cluster, reference):
     before = router.telemetry.metrics.migrations.labels("decode")._value.get()
     del live["decode-0"]
     victim.stop()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors[:3]
-    for rid, (_, kind, _) in requests().items():
-        check(kind, results[rid][1])
-        assert results[rid][0] == reference[rid], rid
+    assert_undisturbed(threads, results, errors, reference)
     assert router.telemetry.metrics.migrations.labels("decode")._value.get() > before
