@@ -109,6 +109,8 @@ class Dispatcher:
                         self._first_token_spans(trace_context, placed, arrived, source)
                 return
             except Broken as broken:
+                if stream.finish_reason:  # the call broke after its last message: nothing is missing
+                    return
                 if not broken.migratable or attempt == s.migration_limit:
                     raise Abort(broken.code, broken.details) from None
                 trusted = trusted and broken.where != "prefill"

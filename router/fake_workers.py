@@ -208,6 +208,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if self.finish_apart:
                 await self._maybe_die(max_tokens - done, context)
                 yield worker_pb2.WorkerTokens(request_id=request.request_id, finish_reason=api_pb2.FINISH_REASON_LENGTH)
+            await self._maybe_die(max_tokens - done + self.finish_apart, context)  # after every message
         finally:
             self.running -= 1
             self._notify()

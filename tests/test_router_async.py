@@ -203,6 +203,27 @@ def test_a_worker_that_fails_after_the_last_token_ends_the_request_without_movin
         router.stop()
 
 
+def test_a_worker_that_fails_after_its_last_message_leaves_the_request_complete(fleet):
+    """The call breaks once the finish is out: the client has everything, nothing moves, and no
+    worker is asked for more (a move would add a token past the end)."""
+    broken = fleet.add("decode-0", step_s=0.002)
+    fleet.add("decode-1", step_s=0.002)
+    broken.fail_after = 6
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        [messages] = asyncio.run(_streams_of(address, ["w1 x y"], 6))
+        assert not isinstance(messages, BaseException), messages
+        assert [t for m in messages for t in m.token_ids] == [
+            fake_token(FakeTokenizer().encode("w1 x y"), i) for i in range(6)
+        ]
+        assert [m.finish_reason for m in messages].count(api_pb2.FINISH_REASON_LENGTH) == 1
+        assert router.telemetry.metrics.migrations.labels("decode")._value.get() == 0
+        assert broken.submitted == 1 and sum(w.submitted for w in fleet.workers.values()) == 1
+    finally:
+        router.stop()
+
+
 async def _streams_of(address: str, texts: list[str], max_tokens: int, timeout: float | None = None):  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = api_pb2_grpc.TandemStub(channel)

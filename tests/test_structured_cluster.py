@@ -157,17 +157,21 @@ def tight():
     prefill = prefill_service.from_config(config(), "prefill-0")
     workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
     router = router_server.from_config(config(), lambda: workers)
-    yield router.start(), decode
+    yield router.start(), decode, prefill
     router.stop()
     prefill.stop()
     decode.stop()
 
 
 def test_under_preemption_every_kind_validates_and_equals_one_engine(tight, reference):
-    address, decode = tight
+    address, decode, prefill = tight
     assert_undisturbed(*run_all(address), reference)
     assert decode.engine.scheduler.stats.num_preemptions > 0, "the KV budget should force preemptions"
     assert decode.engine.scheduler.blocks.num_free_blocks == decode.engine.num_blocks
+    deadline = time.monotonic() + 10
+    while prefill.engine.scheduler.held:  # each transfer's answer releases the prefill worker's blocks
+        assert time.monotonic() < deadline, "the prefill worker still holds sent KV"
+        time.sleep(0.05)
 
 
 def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
