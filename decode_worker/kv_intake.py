@@ -81,7 +81,7 @@ class KVIntake:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-        self.prefilled_here = 0  # transfers refused for want of room, their sequences prefilled here
+        self.prefilled_here = 0  # transfers that found no room: their sequences were prefilled here
         # request id -> (reserved at, admitted at, bytes), for the worker's traces; popped by it
         self.admitted: dict[str, tuple[float, float, int]] = {}
 
