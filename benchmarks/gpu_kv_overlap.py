@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,12 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kv_transfer import AdmitAndDrop, _Discard  # noqa: E402
+from kv_transfer import AdmitAndDrop, _Discard, times_to_admitted  # noqa: E402
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig  # noqa: E402
-from cluster.engine.request import SamplingParams, ScheduledChunk  # noqa: E402
+from cluster.engine.request import ScheduledChunk  # noqa: E402
 from cluster.kv.grpc_transport import GrpcSender, serve  # noqa: E402
-from cluster.kv.transport import TransferState  # noqa: E402
 from cluster.kv.wire import make_chunk, model_fingerprint  # noqa: E402
 from cluster.model.loader import load_model  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
@@ -155,24 +153,10 @@ def engines(model, prompt_len: int) -> dict[str, tuple[PrefillEngine, bool]]:  #
 def overlap(model, port: int, prompt_len: int, rounds: int) -> dict:  # type: ignore[no-untyped-def]
     sender = GrpcSender(f"127.0.0.1:{port}", timeout_s=120)
     by_mode = engines(model, prompt_len)
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    g = torch.Generator().manual_seed(prompt_len)
-    n = 0
-    for r in range(rounds + 1):  # the first round warms up and is not counted
-        for mode in MODES:
-            engine, network = by_mode[mode]
-            prompt = torch.randint(3, model.arch.vocab_size, (prompt_len,), generator=g).tolist()
-            n += 1
-            start = time.perf_counter()
-            engine.add_request(f"p{n}", prompt, SamplingParams(max_tokens=2), sender if network else _Discard())
-            (out,) = engine.step()
-            assert out.transfer.wait(120) is TransferState.DONE, out.transfer.error
-            elapsed = time.perf_counter() - start
-            engine.poll_leases()
-            if r:
-                times[mode].append(elapsed)
-    sender.close()
+    shipping = {mode: (by_mode[mode][0], sender if by_mode[mode][1] else _Discard()) for mode in MODES}
+    times = times_to_admitted(shipping, model.arch.vocab_size, prompt_len, rounds)
     med = {mode: statistics.median(ts) for mode, ts in times.items()}
+    sender.close()
 
     def hidden(mode: str, after: str) -> float:
         transfer = med[after] - med["pass alone"]

@@ -28,9 +28,7 @@ def plot_decode(result: dict, summary: dict, path: Path) -> None:
         ax.set_ylabel("% of the measured memory bandwidth")
         ax.set_title(f"{model} bf16 decode, {_where(summary)}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_prefill(result: dict, summary: dict, path: Path) -> None:
@@ -44,9 +42,7 @@ def plot_prefill(result: dict, summary: dict, path: Path) -> None:
     ax.set_ylabel("% of the measured bf16 matmul rate (MFU)")
     ax.set_title(f"prefill MFU, {_where(summary)}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_overlap(result: dict, summary: dict, path: Path) -> None:
@@ -61,6 +57,10 @@ def plot_overlap(result: dict, summary: dict, path: Path) -> None:
     ax.set_ylabel("ms from prefill start to KV admitted")
     ax.set_title(f"layer-wise KV shipping over gRPC, {_where(summary)}")
     ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:  # type: ignore[no-untyped-def]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

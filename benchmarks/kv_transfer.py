@@ -205,6 +205,28 @@ def throughput(ports: dict, rounds: int, layers: int, tokens: int) -> dict:
     return result
 
 
+def times_to_admitted(shipping, vocab_size: int, prompt_len: int, rounds: int) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """For each mode's (prefill engine, sender): the seconds from a fresh random prompt's arrival
+    to its KV admitted at the receiver, in `rounds` rounds taking the modes in turn (after one
+    warm-up round, not counted)."""
+    times: dict[str, list[float]] = {mode: [] for mode in shipping}
+    g = torch.Generator().manual_seed(prompt_len)
+    n = 0
+    for r in range(rounds + 1):
+        for mode, (engine, sender) in shipping.items():
+            prompt = torch.randint(3, vocab_size, (prompt_len,), generator=g).tolist()
+            n += 1
+            start = time.perf_counter()
+            engine.add_request(f"p{n}", prompt, SamplingParams(max_tokens=2), sender)
+            (out,) = engine.step()
+            assert out.transfer.wait(120) is TransferState.DONE, out.transfer.error
+            elapsed = time.perf_counter() - start
+            engine.poll_leases()
+            if r:
+                times[mode].append(elapsed)
+    return times
+
+
 def prefill_to_admitted(model, port: int, prompt_len: int, rounds: int) -> dict:  # type: ignore[no-untyped-def]
     cache = cache_for(prompt_len)
     budget = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=prompt_len)
@@ -214,26 +236,10 @@ def prefill_to_admitted(model, port: int, prompt_len: int, rounds: int) -> dict:
         mode: PrefillEngine(model, cache, budget, TransferConfig(layerwise=mode == "layerwise"), cache.num_blocks)
         for mode in modes
     }
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    g = torch.Generator().manual_seed(prompt_len)
-    n = 0
-    for r in range(rounds + 1):  # the first round warms up and is not counted
-        for mode in modes:
-            prompt = torch.randint(3, model.arch.vocab_size, (prompt_len,), generator=g).tolist()
-            n += 1
-            engine = engines[mode]
-            start = time.perf_counter()
-            engine.add_request(
-                f"p{n}", prompt, SamplingParams(max_tokens=2), _Discard() if mode == modes[0] else sender
-            )
-            (out,) = engine.step()
-            assert out.transfer.wait(120) is TransferState.DONE, out.transfer.error
-            elapsed = time.perf_counter() - start
-            engine.poll_leases()
-            if r:
-                times[mode].append(elapsed)
-    sender.close()
+    shipping = {mode: (engines[mode], _Discard() if mode == modes[0] else sender) for mode in modes}
+    times = times_to_admitted(shipping, model.arch.vocab_size, prompt_len, rounds)
     med = {mode: statistics.median(ts) for mode, ts in times.items()}
+    sender.close()
     transfer = med["after-pass"] - med["prefill alone"]
     hidden = (med["after-pass"] - med["layerwise"]) / transfer if transfer > 0 else float("nan")
     arch = model.arch

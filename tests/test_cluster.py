@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from decode_worker.engine import Engine
 from router.cli import main as cli
 from router.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument
 from router.server import from_config
+from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
@@ -236,9 +236,7 @@ def test_streaming_and_async_clients_agree(grpc_cluster):
 
 def test_retry_reaches_a_router_that_was_briefly_unavailable(grpc_cluster):
     cluster, _, _ = grpc_cluster
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     late = from_config(config("grpc"), cluster.discover)
     timer = threading.Timer(0.6, late.start, args=(f"127.0.0.1:{port}",))
     timer.start()

@@ -11,7 +11,6 @@ import base64
 import itertools
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 from cluster.config import parse_config
 from cluster.pools import ray_cluster
 from cluster.pools.ray_observe import TOKEN_COMMAND, ray_view
+from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -35,12 +35,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

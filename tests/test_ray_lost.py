@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster.lifeline import ClusterUnavailable, Lifeline
 from router.client import Client, Unavailable
 from router.fake_workers import FakeFleet
+from tests.net import free_port
 from tests.test_router_async import make_router
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,9 +115,7 @@ def _children(pid: int) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_serve_whose_ray_loses_its_gcs_refuses_turns_not_serving_and_exits(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = tmp_path / "cluster.yaml"
     text = (ROOT / "examples" / "local.yaml").read_text().replace("port: 50051", f"port: {port}")
     config.write_text(text + f"  ray_lost_after_s: {LOST_AFTER_S}\n")

@@ -190,11 +190,7 @@ def test_a_worker_that_fails_after_the_last_token_ends_the_request_without_movin
     router = make_router(fleet)
     address = router.start()
     try:
-        [messages] = asyncio.run(_streams_of(address, ["w1 x y"], 6))
-        assert not isinstance(messages, BaseException), messages
-        assert [t for m in messages for t in m.token_ids] == [
-            fake_token(FakeTokenizer().encode("w1 x y"), i) for i in range(6)
-        ]
+        messages = _one_whole_stream(address, "w1 x y", 6)
         assert messages[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH
         assert messages[-1].usage.completion_tokens == 6
         assert router.telemetry.metrics.migrations.labels("decode")._value.get() == 1
@@ -212,16 +208,21 @@ def test_a_worker_that_fails_after_its_last_message_leaves_the_request_complete(
     router = make_router(fleet)
     address = router.start()
     try:
-        [messages] = asyncio.run(_streams_of(address, ["w1 x y"], 6))
-        assert not isinstance(messages, BaseException), messages
-        assert [t for m in messages for t in m.token_ids] == [
-            fake_token(FakeTokenizer().encode("w1 x y"), i) for i in range(6)
-        ]
+        messages = _one_whole_stream(address, "w1 x y", 6)
         assert [m.finish_reason for m in messages].count(api_pb2.FINISH_REASON_LENGTH) == 1
         assert router.telemetry.metrics.migrations.labels("decode")._value.get() == 0
         assert broken.submitted == 1 and sum(w.submitted for w in fleet.workers.values()) == 1
     finally:
         router.stop()
+
+
+def _one_whole_stream(address: str, text: str, max_tokens: int) -> list[api_pb2.GenerateResponse]:
+    """One request's messages, checked to carry exactly its `max_tokens` tokens in order."""
+    [messages] = asyncio.run(_streams_of(address, [text], max_tokens))
+    assert not isinstance(messages, BaseException), messages
+    prompt = FakeTokenizer().encode(text)
+    assert [t for m in messages for t in m.token_ids] == [fake_token(prompt, i) for i in range(max_tokens)]
+    return messages
 
 
 async def _streams_of(address: str, texts: list[str], max_tokens: int, timeout: float | None = None):  # type: ignore[no-untyped-def]

@@ -4,7 +4,6 @@ request in flight finish, then stops the cluster and exits 0."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.client import Client, Unavailable
+from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,9 +31,7 @@ def health(address: str) -> int | None:
 
 
 def test_sigterm_drains_then_exits_cleanly(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = tmp_path / "cluster.yaml"
     config.write_text((ROOT / "examples" / "local.yaml").read_text().replace("port: 50051", f"port: {port}"))
     serve = subprocess.Popen(
