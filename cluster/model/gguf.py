@@ -63,7 +63,7 @@ def import_gguf(
     from cluster.model.gguf_meta import generation_config, hf_config, open_gguf, read_metadata, tensor_shapes
     from cluster.model.gguf_tensors import float_state, int4_state
     from cluster.model.gguf_tokenizer import build_tokenizer
-    from cluster.model.loader import DTYPES, QUANT_KEY, SINGLE_FILE
+    from cluster.model.weights import DTYPES, QUANT_KEY, SINGLE_FILE
 
     start = time.perf_counter()
     path, out = Path(path), Path(out)

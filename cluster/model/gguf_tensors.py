@@ -21,7 +21,7 @@ from torch import nn
 
 from cluster.model.arch import ModelArch, ModelFormatError
 from cluster.model.causal_lm import CausalLM
-from cluster.model.loader import weight_table
+from cluster.model.weights import weight_table
 
 # Hugging Face name inside `model.layers.{i}.` -> GGUF name inside `blk.{i}.`
 _LAYER_NAMES = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,48 +21,10 @@ from cluster.model.arch import ModelArch, ModelFormatError
 from cluster.model.causal_lm import CausalLM, rope_inv_freq
 from cluster.model.gguf import model_folder
 from cluster.model.quant import quantize, quantized_skeleton
+from cluster.model.weights import DTYPES, INDEX_FILE, QUANT_KEY, SINGLE_FILE, weight_table
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Buffers some older checkpoints saved; they are recomputed from the config.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Target:
-    param: str  # name in CausalLM.named_parameters()
-    rows: tuple[int, int] | None = None  # half-open row range of a fused parameter
-
-
-def weight_table(arch: ModelArch) -> dict[str, Target]:
-    """Hugging Face tensor name -> where it goes in `CausalLM`."""
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    inter = arch.intermediate_size
-    table = {
-        "model.embed_tokens.weight": Target("embed_tokens.weight"),
-        "model.norm.weight": Target("norm.weight"),
-    }
-    if not arch.tie_word_embeddings:
-        table["lm_head.weight"] = Target("lm_head.weight")
-    for i in range(arch.num_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        table[f"{hf}.input_layernorm.weight"] = Target(f"{ours}.input_layernorm.weight")
-        table[f"{hf}.post_attention_layernorm.weight"] = Target(f"{ours}.post_attention_layernorm.weight")
-        kinds = ["weight", "bias"] if arch.qkv_bias else ["weight"]
-        for kind in kinds:
-            fused = f"{ours}.self_attn.qkv_proj.{kind}"
-            table[f"{hf}.self_attn.q_proj.{kind}"] = Target(fused, (0, q))
-            table[f"{hf}.self_attn.k_proj.{kind}"] = Target(fused, (q, q + kv))
-            table[f"{hf}.self_attn.v_proj.{kind}"] = Target(fused, (q + kv, q + 2 * kv))
-        for kind in ["weight", "bias"] if arch.o_bias else ["weight"]:
-            table[f"{hf}.self_attn.o_proj.{kind}"] = Target(f"{ours}.self_attn.o_proj.{kind}")
-        for kind in ["weight", "bias"] if arch.mlp_bias else ["weight"]:
-            fused = f"{ours}.mlp.gate_up_proj.{kind}"
-            table[f"{hf}.mlp.gate_proj.{kind}"] = Target(fused, (0, inter))
-            table[f"{hf}.mlp.up_proj.{kind}"] = Target(fused, (inter, 2 * inter))
-            table[f"{hf}.mlp.down_proj.{kind}"] = Target(f"{ours}.mlp.down_proj.{kind}")
-    return table
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -162,9 +123,6 @@ def load_model(
         load_weights(model, folder)
         quantize(model, weight_dtype, group_size, quantize_lm_head)
     return model.eval().requires_grad_(False)
-
-
-QUANT_KEY = "tandem_quantization"  # config.json: how a folder's weights were quantised
 
 
 def save_quantized(model: CausalLM, source: Path, out: Path) -> None:
