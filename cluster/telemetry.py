@@ -55,18 +55,35 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = prom.CollectorRegistry()
+        self._latencies()
+        self._request_counts()
+        self._worker_gauges()
+        self._speculation_and_slo()
+        self._zero_known_labels()
+        self.address: str | None = None
+        self._server: Any = None
+
+    def _histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
+    ) -> prom.Histogram:
+        return prom.Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+
+    # The metrics are registered in this order, which is the order `/metrics` lists them in.
+    def _latencies(self) -> None:
+        """Request latencies (router), queueing before a worker and KV transfers."""
+        self.ttft = self._histogram("tandem_ttft_seconds", "Time to first token, measured at the router.")
+        self.tpot = self._histogram("tandem_tpot_seconds", "Time per output token after the first, per request.")
+        self.itl = self._histogram("tandem_itl_seconds", "Gaps between successive token messages.")
+        self.e2e = self._histogram("tandem_e2e_seconds", "Request latency, sent to last token.")
+        self.queue = self._histogram("tandem_queue_seconds", "Time before a request reaches a worker.", ["stage"])
+        self.kv_transfer = self._histogram(
+            "tandem_kv_transfer_seconds", "KV transfer, header to admission.", ["transport"]
+        )
+        self.kv_bytes = self._histogram("tandem_kv_transfer_bytes", "Bytes of one KV transfer.", ["transport"], _BYTES)
+
+    def _request_counts(self) -> None:
+        """Finished requests, migrations, placement decisions and failed KV transfers."""
         r = self.registry
-
-        def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY):
-            return prom.Histogram(name, doc, labels, registry=r, buckets=buckets)
-
-        self.ttft = histogram("tandem_ttft_seconds", "Time to first token, measured at the router.")
-        self.tpot = histogram("tandem_tpot_seconds", "Time per output token after the first, per request.")
-        self.itl = histogram("tandem_itl_seconds", "Gaps between successive token messages.")
-        self.e2e = histogram("tandem_e2e_seconds", "Request latency, sent to last token.")
-        self.queue = histogram("tandem_queue_seconds", "Time before a request reaches a worker.", ["stage"])
-        self.kv_transfer = histogram("tandem_kv_transfer_seconds", "KV transfer, header to admission.", ["transport"])
-        self.kv_bytes = histogram("tandem_kv_transfer_bytes", "Bytes of one KV transfer.", ["transport"], _BYTES)
         self.requests = prom.Counter("tandem_requests", "Finished requests.", ["status", "prefill_mode"], registry=r)
         self.migrations = prom.Counter(
             "tandem_migrations", "Requests moved to another worker after a worker failed.", ["failed"], registry=r
@@ -83,18 +100,26 @@ class Metrics:
         self.transfer_failures = prom.Counter(
             "tandem_kv_transfer_failures", "KV transfers that failed.", ["code"], registry=r
         )
+
+    def _worker_gauges(self) -> None:
+        """A worker's preemptions, batch, KV cache use and prefix-cache hit rate."""
+        r = self.registry
         self.preemptions = prom.Gauge("tandem_preemptions", "Preemptions on this worker since start.", registry=r)
         self.kv_usage = prom.Gauge("tandem_kv_cache_usage", "Share of this worker's KV blocks in use.", registry=r)
         self.running = prom.Gauge("tandem_running_seqs", "Sequences in the running batch.", registry=r)
         self.waiting = prom.Gauge("tandem_waiting_seqs", "Sequences waiting.", registry=r)
         self.prefix_hit_rate = prom.Gauge("tandem_prefix_cache_hit_rate", "Prefix-cache block hit rate.", registry=r)
+
+    def _speculation_and_slo(self) -> None:
+        """Speculative decoding on a worker; requests that met their SLO targets at the router."""
+        r = self.registry
         self.spec_draft_tokens = prom.Counter(
             "tandem_spec_draft_tokens", "Speculative tokens proposed on this worker.", registry=r
         )
         self.spec_accepted_tokens = prom.Counter(
             "tandem_spec_accepted_tokens", "Speculative tokens the target model kept.", registry=r
         )
-        self.spec_tokens_per_pass = histogram(
+        self.spec_tokens_per_pass = self._histogram(
             "tandem_spec_tokens_per_pass", "Output tokens per target-model pass, per speculating request.",
             buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0),
         )  # fmt: skip
@@ -105,7 +130,9 @@ class Metrics:
             "tandem_slo_requests", "Finished requests, by whether they met both TTFT and TPOT targets (goodput).",
             ["met"], registry=r,
         )  # fmt: skip
-        # Counters exist from start at 0 for every label value known in advance.
+
+    def _zero_known_labels(self) -> None:
+        """Counters exist from start at 0 for every label value known in advance."""
         for status in REQUEST_STATUSES:
             for mode in PREFILL_MODES:
                 self.requests.labels(status, mode)
@@ -113,8 +140,6 @@ class Metrics:
             self.migrations.labels(where)
         for met in ("true", "false"):
             self.slo_requests.labels(met)
-        self.address: str | None = None
-        self._server: Any = None
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> str:
         """Starts the `/metrics` HTTP endpoint; returns "host:port"."""
