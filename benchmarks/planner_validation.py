@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import disagg  # noqa: E402
 
+from cli.plan import base_layout  # noqa: E402
 from cluster.slo import RequestTiming, Targets, goodput, percentile  # noqa: E402
 from planner import profile as profiles  # noqa: E402
 from planner import search, workload  # noqa: E402
-from planner.cli import base_layout  # noqa: E402
 from planner.sim import simulate  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"

@@ -329,14 +329,14 @@ def cluster_config(first_token_from_prefill: bool = True):  # type: ignore[no-un
 def bench_requests(n: int, prompt_len: int, output_len: int, seed: int = 0) -> list:
     import random
 
-    from router.bench import BenchRequest
+    from cli.bench import BenchRequest
 
     rng = random.Random(seed)
     return [BenchRequest([rng.randrange(3, 2000) for _ in range(prompt_len)], output_len) for _ in range(n)]
 
 
 def drive(target: str, requests: list, concurrency: int) -> dict:
-    from router.bench import _drive, report
+    from cli.bench import _drive, report
 
     args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
                               api_key=None, no_progress=True)  # fmt: skip

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig, dump_config
 
-TANDEM = (sys.executable, "-m", "router.cli")  # the `tandem` command of this interpreter
+TANDEM = (sys.executable, "-m", "cli.main")  # the `tandem` command of this interpreter
 
 
 class ReplicaFailed(RuntimeError):

@@ -18,6 +18,7 @@ import pytest
 import ray
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+from cli.main import main as cli
 from cluster.config import parse_config
 from cluster.engine.kv_events import block_hashes
 from cluster.engine.request import SamplingParams
@@ -26,7 +27,6 @@ from cluster.model.loader import load_model
 from cluster.model.tokenizer import Tokenizer
 from cluster.pools import ray_cluster
 from decode_worker.engine import Engine
-from router.cli import main as cli
 from router.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument
 from router.server import from_config
 from tests.net import free_port

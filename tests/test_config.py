@@ -8,8 +8,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from cli.model import main
 from cluster import config as cfg
-from cluster.cli import main
 from cluster.config import ClusterConfig, ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]

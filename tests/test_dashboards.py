@@ -12,10 +12,10 @@ from pathlib import Path
 import yaml
 from tandem.v1 import worker_pb2
 
+from cli import dashboards
+from cli.main import main as cli
 from cluster.pools.ray_observe import RayView
 from cluster.telemetry import RAY_METRICS, RAY_PREFIX, Metrics
-from router import dashboards
-from router.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

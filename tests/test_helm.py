@@ -389,7 +389,7 @@ def test_existing_secrets_tls_http_and_monitoring(render, tmp_path):
 
 
 def test_the_grafana_dashboard_ships_beside_the_service_monitor(render):
-    from router.dashboards import grafana_dashboard
+    from cli.dashboards import grafana_dashboard
 
     objects = render("existing-secret-values.yaml")
     assert of_kind(objects, "ServiceMonitor")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cluster.cli import main
+from cli.model import main
 from cluster.generate import generate
 from cluster.model.arch import ARCHITECTURES, ModelArch
 from cluster.model.builder import PRESETS, init_model_folder, train_tokenizer

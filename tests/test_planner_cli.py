@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from cli.main import main
 from cluster.slo import Targets
 from planner import profile as profiles
 from planner import search
 from planner.profile import DecodeCost, LinearCost, PrefillCost, Profile, StepCosts
 from planner.sim import Layout
 from planner.workload import WorkloadError, load, parse
-from router.cli import main
 
 
 def hand_profile() -> Profile:

@@ -22,11 +22,11 @@ import pytest
 import yaml
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cli import dashboards
 from cluster.config import parse_config
 from cluster.pools import ray_cluster
 from cluster.pools.ray_observe import ray_view
 from cluster.telemetry import PREFILL_MODES, REQUEST_STATUSES
-from router import dashboards
 from router.client import Client, InvalidArgument
 from router.server import from_config
 from tests.net import free_port

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cli.main import main as cli
 from cluster.config import parse_config
 from cluster.pools.registry import REPORT_TTL_S, Registry, fleet_latency
-from router.cli import main as cli
 from router.client import Client
 from router.fake_workers import FakeFleet
 from router.fleet import fleet, totals
@@ -198,7 +198,7 @@ STUB = (
 def test_a_replica_shares_the_port_and_the_ray_cluster_and_leaves_http_and_metrics_to_others(tmp_path):
     argv = command(tmp_path / "c.json", 50051, "10.0.0.1:6379")
     assert argv == [
-        sys.executable, "-m", "router.cli", "router", "--config", str(tmp_path / "c.json"),
+        sys.executable, "-m", "cli.main", "router", "--config", str(tmp_path / "c.json"),
         "--port", "50051", "--ray-address", "10.0.0.1:6379",
     ]  # fmt: skip
     replica = replica_config(CONFIG)

@@ -35,12 +35,12 @@ from collections.abc import Sequence
 import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cli.model import add_commands, add_generate_options, offline_generate
+from cli.plan import add_commands as add_planner_commands
 from cluster.auth import api_keys
-from cluster.cli import add_commands, add_generate_options, offline_generate
 from cluster.config import ConfigError, serve_config
 from cluster.lifeline import ClusterUnavailable, Lifeline
 from cluster.model.arch import ModelFormatError
-from planner.cli import add_commands as add_planner_commands
 from router.client import Client, TandemError
 from router.replicas import ReplicaFailed
 
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
 
     bench = commands.add_parser("bench", help="drive a running cluster and report serving metrics")
-    from router import bench as bench_module
+    from cli import bench as bench_module
 
     bench_module.add_arguments(bench)
     bench.set_defaults(run=lambda a: bench_module.run(a) and 0)
@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
     status.set_defaults(run=_status)
 
-    from router import dashboards
+    from cli import dashboards
 
     dashboards.add_command(commands)
     add_commands(commands)

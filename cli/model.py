@@ -1,4 +1,4 @@
-"""The `tandem` commands that need no cluster (the full command line is `router.cli`, which adds
+"""The `tandem` commands that need no cluster (the full command line is `cli.main`, which adds
 `serve`, `status` and cluster-backed `generate` to these):
 
 tandem model init --preset tiny --out DIR     write a random-weight model folder

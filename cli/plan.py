@@ -1,4 +1,4 @@
-"""`tandem profile` and `tandem plan` (added to the `tandem` command by `router.cli`).
+"""`tandem profile` and `tandem plan` (added to the `tandem` command by `cli.main`).
 
 tandem profile --config C [--out P.json] [--quick]
         measure this machine's costs for the config's model, dtype and transport (minutes)
