@@ -46,9 +46,9 @@ from cluster.engine.request import Request, SamplingParams, ScheduledChunk, Step
 from cluster.engine.sampler import SampleRow  # noqa: E402
 from cluster.model.builder import init_model_folder  # noqa: E402
 from cluster.model.loader import load_model  # noqa: E402
+from cluster.model.weights import DTYPES  # noqa: E402
 from decode_worker.engine import Engine  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CONTEXT = 512
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
 

@@ -34,12 +34,14 @@ from tandem.v1 import api_pb2
 from tandem.v1 import kv_transfer_pb2 as pb
 
 from cluster.engine.request import SamplingParams, params_from_proto, params_to_proto
+from cluster.model import weights
 from cluster.model.attention import KV_SCALE_BYTES
 
 FORMAT_VERSION = 1
+# A header's dtype names the cache's element type: the model's (`cluster.model.weights.DTYPES`), or
 # "int8": a cache of quantised rows, each head_dim int8 values and a float32 scale (`cluster.model.attention`),
 # carried as uint8 rows of head_dim + 4 bytes.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.uint8}
+DTYPES = {**weights.DTYPES, "int8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 assert sys.byteorder == "little", "the wire carries little-endian tensors"
 

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cluster.model.arch import ARCHITECTURES
+from cluster.model.weights import DTYPES, INDEX_FILE, SINGLE_FILE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -175,7 +176,7 @@ def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=meta)
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
@@ -184,7 +185,7 @@ def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: i
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
 def write_tokenizer(tok: Tokenizer, out: Path, max_length: int) -> None:
@@ -221,8 +222,7 @@ def init_model_folder(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(p, architecture, dtype)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    tensors = {k: v.to(torch_dtype) for k, v in random_weights(config, seed).items()}
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in random_weights(config, seed).items()}
     save_weights(tensors, out, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"eos_token_id": config["eos_token_id"], "bos_token_id": None, "do_sample": False}
