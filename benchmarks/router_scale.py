@@ -339,7 +339,7 @@ def drive(target: str, requests: list, concurrency: int) -> dict:
     from cli.bench import _drive, report
 
     args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
-                              api_key=None, no_progress=True)  # fmt: skip
+                              api_key=None, tls_ca=None, no_progress=True)  # fmt: skip
     results, duration = asyncio.run(_drive(target, requests, args))
     return report(results, duration, None)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cli.client_options import add_client_options
 from cluster.slo import RequestTiming, Targets, goodput, summarize
 from router.client import AsyncClient, TandemError
 
@@ -43,8 +44,14 @@ class Result:
     prompt_tokens: int = 0
 
 
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="drive a running cluster and report serving metrics")
+    add_arguments(bench)
+    bench.set_defaults(run=lambda args: run(args) and 0)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051", help="router address (default: 127.0.0.1:50051)")
+    add_client_options(p)
     p.add_argument("--config", default=None, help="start this cluster config's cluster first, stop it after")
     p.add_argument("--model", default=None, help="start a cluster around this model folder or GGUF file")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send (default: 64)")
@@ -58,7 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed")
     p.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", help="SLOs for goodput: ttft:MS tpot:MS")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
-    p.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
     p.add_argument("--out", default="benchmarks/results", help="folder for serve_bench.{json,png}")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -112,7 +118,7 @@ def load_requests(args: argparse.Namespace, target: str) -> list[BenchRequest]:
         ]
 
     async def vocab() -> int:
-        async with AsyncClient(target, api_key=args.api_key) as client:
+        async with AsyncClient(target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
             return (await client.model_info()).vocab_size
 
     vocab_size = asyncio.run(vocab())
@@ -131,7 +137,7 @@ async def _drive(target: str, requests: list[BenchRequest], args: argparse.Names
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
     bar = tqdm(total=len(requests), disable=args.no_progress, desc="requests")
-    async with AsyncClient(target, api_key=args.api_key, timeout=args.timeout, retries=0) as client:
+    async with AsyncClient(target, api_key=args.api_key, timeout=args.timeout, retries=0, tls_ca=args.tls_ca) as client:
 
         async def one(request: BenchRequest) -> Result:
             if limit is not None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from cli.admin import get_status
+from cli.client_options import add_client_options
 from cluster.telemetry import RAY_METRICS, RAY_PREFIX, Metrics
 
 # Where a local Ray writes its exporters' addresses for Prometheus's file_sd (the head node's).
@@ -143,33 +145,17 @@ def scrape_config(status: Any | None, ray_targets: list[str], interval_s: float 
     return {"global": {"scrape_interval": interval, "evaluation_interval": interval}, "scrape_configs": jobs}
 
 
-def add_command(commands: Any) -> None:
+def add_commands(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("dashboards", help="write a Prometheus scrape config and Grafana dashboards")
     p.add_argument("--out", required=True, help="folder for prometheus.yml and grafana/tandem.json")
-    p.add_argument("--target", default=None, help="a running router (HOST:PORT) whose status lists the endpoints")
-    p.add_argument("--api-key", default=None, help="the key the router expects, if it expects one")
-    p.add_argument("--tls-ca", default=None, help="CA (PEM) to trust: connect over TLS")
+    add_client_options(p, None, "a running router (HOST:PORT) whose status lists the endpoints")
     p.add_argument("--ray-metrics", action="append", default=[], help="a Ray metrics exporter HOST:PORT (repeat)")
     p.add_argument("--scrape-interval", type=float, default=15.0, help="seconds between scrapes (default: 15)")
     p.set_defaults(run=run)
 
 
-def _status(args: argparse.Namespace) -> Any:
-    import grpc
-    from tandem.v1 import worker_pb2, worker_pb2_grpc
-
-    if args.tls_ca is None:
-        channel = grpc.insecure_channel(args.target)
-    else:
-        ca = Path(args.tls_ca).read_bytes()
-        channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(root_certificates=ca))
-    key = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
-    with channel:
-        return worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10, metadata=key)
-
-
 def run(args: argparse.Namespace) -> int:
-    status = _status(args) if args.target else None
+    status = get_status(args) if args.target else None
     out = Path(args.out)
     (out / "grafana").mkdir(parents=True, exist_ok=True)
     (out / "grafana" / DASHBOARD_FILE).write_text(json.dumps(grafana_dashboard(), indent=2) + "\n")

@@ -1,9 +1,10 @@
-"""The `tandem` commands that need no cluster (the full command line is `cli.main`, which adds
-`serve`, `status` and cluster-backed `generate` to these):
+"""`tandem model ...` and `tandem config check`, and the offline half of `tandem generate`: the
+commands that need no cluster. A `.gguf` file given where a model folder is expected is imported
+into a folder here, at the edge (`cluster.model.gguf.model_folder`).
 
 tandem model init --preset tiny --out DIR     write a random-weight model folder
+tandem model quantize --model DIR --out DIR   write a weight-only int8 or int4 copy of a model folder
 tandem model import-gguf FILE --out DIR       write the model folder of a llama.cpp GGUF file
-tandem generate --model DIR --prompt TEXT     complete a prompt in this process
 tandem config check FILE                      validate a cluster config file
 """
 
@@ -12,37 +13,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.config import ConfigError, load_config
-from cluster.model.arch import ARCHITECTURES, ModelFormatError
+from cluster.config import load_config
+from cluster.model.arch import ARCHITECTURES
 from cluster.model.builder import PRESETS
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return int(args.run(args) or 0)
-    except (ConfigError, ModelFormatError, ValueError) as e:
-        print(f"tandem: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
-    commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    add_commands(commands)
-    gen = commands.add_parser("generate", help="complete a prompt with a model folder, in this process")
-    gen.add_argument("--model", required=True, help="Hugging Face model folder or .gguf file")
-    gen.add_argument("--prompt", required=True, help="text to complete")
-    add_generate_options(gen)
-    gen.set_defaults(run=offline_generate)
-    return parser
-
-
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    """`model init` and `config check`."""
+    """`model init | quantize | import-gguf` and `config check`."""
     model = commands.add_parser("model", help="build model folders").add_subparsers(required=True, metavar="ACTION")
     init = model.add_parser("init", help="write a random-weight model folder (config, weights, tokenizer)")
     init.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="size and shape (default: tiny)")
@@ -53,7 +32,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     init.add_argument("--out", required=True, help="folder to write")
     init.set_defaults(run=_model_init)
     quant = model.add_parser("quantize", help="write a weight-only quantised copy of a model folder")
-    quant.add_argument("--model", required=True, help="the model folder to read")
+    quant.add_argument("--model", required=True, help="the model folder (or .gguf file) to read")
     quant.add_argument("--weight-dtype", choices=["int8", "int4"], required=True, help="int8 or int4 weights")
     quant.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], default=128, help="int4 group size")
     quant.add_argument("--keep-lm-head", action="store_true", help="leave the LM head unquantised")
@@ -85,14 +64,6 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     check.set_defaults(run=_config_check)
 
 
-def add_generate_options(gen: argparse.ArgumentParser) -> None:
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (--model)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-
-
 def _model_init(args: argparse.Namespace) -> None:
     from cluster.model.builder import init_model_folder
 
@@ -102,10 +73,11 @@ def _model_init(args: argparse.Namespace) -> None:
 
 
 def _model_quantize(args: argparse.Namespace) -> None:
+    from cluster.model.gguf import model_folder
     from cluster.model.loader import load_model, save_quantized
     from cluster.model.quant import weight_bytes
 
-    source = Path(args.model)
+    source = model_folder(args.model)  # a .gguf file is imported once, then read from its folder
     model = load_model(source, args.dtype, "cpu", args.weight_dtype, args.group_size, not args.keep_lm_head)
     save_quantized(model, source, Path(args.out))
     mib = weight_bytes(model) / 2**20
@@ -151,7 +123,3 @@ def offline_generate(args: argparse.Namespace) -> None:
 def _config_check(args: argparse.Namespace) -> None:
     config = load_config(args.file)
     print(f"{args.file}: valid (model {config.model.path}, transport {config.transfer.transport})")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from cli.model import main
+from cli.main import main
 from cluster import config as cfg
 from cluster.config import ClusterConfig, ConfigError, load_config, parse_config
 

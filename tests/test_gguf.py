@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
-from cli.model import main
+from cli.main import main
 from cluster.generate import generate
 from cluster.model.arch import ModelArch, ModelFormatError
 from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cli.model import main
+from cli.main import main
 from cluster.generate import generate
 from cluster.model.arch import ARCHITECTURES, ModelArch
 from cluster.model.builder import PRESETS, init_model_folder, train_tokenizer
