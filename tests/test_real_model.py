@@ -174,8 +174,8 @@ def test_served_text_prompt_equals_transformers(served, smollm2, smollm2_referen
 
 
 def test_readme_shows_make_runs_answer(smollm2):
-    """`make run` asks the bfloat16 model "What is the capital of France?" as a chat; the README
-    shows the answer it gives, exactly."""
+    """`make run` asks the bfloat16 model "What is the capital of France?" as a chat; the README's
+    Quick start shows the answer it gives, exactly."""
     tok = Tokenizer(smollm2)
     prompt = tok.encode_chat(chat("What is the capital of France?"))
     result = generate(load_model(smollm2, "bfloat16"), [prompt], 48, eos_token_ids=tok.eos_token_ids)[0]
