@@ -1,11 +1,12 @@
 """Imports point inward, and `cluster`'s subpackages keep their layers:
 
+- `cli`, the `tandem` command line, stands on top: it may import every package, and none imports it;
 - workers and the router import `cluster`; `cluster` imports none of them;
 - `cluster.model` imports nothing from `cluster.engine`, `cluster.kv` or `cluster.pools`;
 - `cluster.engine` imports no `cluster.kv`, `cluster.pools`, gRPC or Ray;
 - only `cluster.pools` imports Ray (in `cluster`; the workers' Ray actors are built there too);
-- nothing in the cluster imports `planner` (but `router.cli`, the command line, adds its commands),
-  and `planner` imports no torch, Ray or gRPC (but `planner.measure`, which times the model).
+- nothing in the cluster imports `planner`, and `planner` imports no torch, Ray or gRPC (but
+  `planner.measure`, which times the model).
 
 The checker runs on the project and on a small planted tree, so a wrong import is shown to fail.
 And the code passes the project's linter."""
@@ -24,19 +25,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # package (or subpackage, dotted) -> what no module under it may import (top-level or dotted prefixes)
 RULES = {
-    "cluster": {"prefill_worker", "decode_worker", "router", "planner"},
-    "prefill_worker": {"decode_worker", "router", "planner"},
-    "decode_worker": {"prefill_worker", "router", "planner"},
-    "router": {"prefill_worker", "decode_worker", "planner"},
-    "planner": {"torch", "ray", "grpc"},
+    "cluster": {"prefill_worker", "decode_worker", "router", "planner", "cli"},
+    "prefill_worker": {"decode_worker", "router", "planner", "cli"},
+    "decode_worker": {"prefill_worker", "router", "planner", "cli"},
+    "router": {"prefill_worker", "decode_worker", "planner", "cli"},
+    "planner": {"torch", "ray", "grpc", "cli"},
     "cluster.model": {"cluster.engine", "cluster.kv", "cluster.pools", "grpc", "ray"},
     "cluster.engine": {"cluster.kv", "cluster.pools", "grpc", "ray"},
     "cluster.kv": {"cluster.pools", "ray"},
 }
-# (module, forbidden prefix) pairs a rule allows: the command line adds the planner's commands;
-# the profiler runs the model
-ALLOWED = {("router.cli", "planner"), ("planner.measure", "torch")}
-PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "planner")
+# (module, forbidden prefix) pairs a rule allows: the profiler runs the model
+ALLOWED = {("planner.measure", "torch")}
+PACKAGES = ("cluster", "prefill_worker", "decode_worker", "router", "planner", "cli")
 RAY_ONLY_IN = "cluster.pools"  # within cluster, the one subpackage that talks to Ray
 
 
@@ -98,6 +98,9 @@ def plant(root: Path, files: dict[str, str]) -> Path:
         ("cluster/pools/autoscaling.py", "from planner import search\n", "planner"),
         ("router/server.py", "import planner.sim\n", "planner.sim"),
         ("planner/sim.py", "import torch\n", "imports torch"),
+        ("router/server.py", "from cli.main import main\n", "cli.main"),
+        ("cluster/config.py", "import cli.model\n", "cli.model"),
+        ("planner/search.py", "from cli import plan\n", "imports cli"),
     ],
 )
 def test_a_planted_wrong_import_is_caught(tmp_path, name, source, complaint):
@@ -106,7 +109,8 @@ def test_a_planted_wrong_import_is_caught(tmp_path, name, source, complaint):
         "cluster/engine/model_runner.py": "from cluster.model.causal_lm import CausalLM\n",
         "cluster/kv/grpc_transport.py": "import grpc\nfrom cluster.engine.request import Request\n",
         "router/server.py": "from cluster.kv import wire\n",
-        "router/cli.py": "from planner.cli import add_commands\n",
+        "cli/main.py": "from cli.plan import add_commands\nfrom router.server import Router\n",
+        "cli/plan.py": "from planner import search\nfrom cluster.config import load_config\n",
         "planner/measure.py": "import torch\nfrom cluster.model import arch\n",
         "planner/routing.py": "from router import placement\n",
     }
@@ -126,7 +130,7 @@ def test_ruff_clean():
 
 def test_the_map_names_every_module():
     """docs/map.md has a row for every module of `cluster` (under its subpackage's heading) and of
-    the workers, the router and the planner, so the map cannot fall behind the tree."""
+    the workers, the router, the planner and the command line, so the map cannot fall behind the tree."""
     text = (ROOT / "docs" / "map.md").read_text()
     sections = {m.group(1): m.start() for m in re.finditer(r"^## `(cluster[\w.]*)`", text, re.M)}
     assert {"cluster", "cluster.model", "cluster.engine", "cluster.kv", "cluster.pools"} <= set(sections)
@@ -140,7 +144,7 @@ def test_the_map_names_every_module():
         end = min([s for s in sections.values() if s > start] + [len(text)])
         if f"| `{name}` |" not in text[start:end]:
             missing.append(f"{'/'.join(parts)}.py (in the {package} table)")
-    for package in ("prefill_worker", "decode_worker", "router", "planner"):
+    for package in ("prefill_worker", "decode_worker", "router", "planner", "cli"):
         for path in sorted((ROOT / package).glob("*.py")):
             if path.stem != "__init__" and f"| `{package}/{path.stem}` |" not in text:
                 missing.append(f"{package}/{path.name}")
