@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode_roofline import _NoText, decode_plan, hf_token_time, step_bytes  # noqa: E402
-from decode_roofline import timed as roofline_timed  # noqa: E402
+from decode_roofline_measure import _NoText, decode_plan, hf_token_time, step_bytes  # noqa: E402
+from decode_roofline_measure import timed as roofline_timed  # noqa: E402
 
 from cluster.config import CacheConfig, SchedulerConfig  # noqa: E402
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan  # noqa: E402
@@ -129,10 +129,10 @@ def context_rows(name: str, model, context: int, shapes: Shapes, floors: Floors)
 
 def hf_rows(name: str, folder: Path, model, shapes: Shapes, floors: Floors) -> list[dict]:  # type: ignore[no-untyped-def]
     """transformers' decode step on the same weights, beside Tandem's (its prefill excluded)."""
-    import decode_roofline
+    import decode_roofline_measure
     from transformers import AutoModelForCausalLM
 
-    decode_roofline.CONTEXT = shapes.hf_context  # hf_token_time's prompt length
+    decode_roofline_measure.CONTEXT = shapes.hf_context  # hf_token_time's prompt length
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(shapes.device).eval()
     rows = []
     for batch in HF_BATCHES:

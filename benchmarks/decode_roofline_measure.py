@@ -1,0 +1,190 @@
+"""The measurements of `decode_roofline.py` (`gpu_steps.py` uses them too): this machine's floors
+(memory read bandwidth, matrix-multiply rate), the bytes and FLOPs one decode step must move, Tandem's
+step time beside the floors measured between its repeats, transformers' `generate` per-token time, and
+the mixed workload's throughput on each. `CONTEXT` is the context every decode step is measured at."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan
+from cluster.engine.sampler import SampleRow
+from decode_worker.engine import Engine
+
+CONTEXT = 512
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, repeat: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+_PROBES: dict[str, torch.Tensor] = {}
+
+
+def _probe(device: str) -> torch.Tensor:
+    """A float32 tensor far larger than the caches, summed to measure memory read bandwidth."""
+    if device not in _PROBES:
+        _PROBES[device] = torch.ones(256 * 2**20 // 4 * (8 if device == "cuda" else 1), device=device)
+    return _PROBES[device]
+
+
+def measure_bandwidth(device: str) -> float:
+    x = _probe(device)
+    times = timed(lambda: x.sum(), device, repeat=15)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def _matmul_operand(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A square matrix whose product with itself measures the matrix-multiply rate."""
+    key = f"{device}:{dtype}"
+    if key not in _PROBES:
+        n = 2048 if device == "cpu" else 8192
+        _PROBES[key] = torch.randn(n, n, dtype=dtype, device=device)
+    return _PROBES[key]
+
+
+def matmul_rate(times: list[float], a: torch.Tensor) -> float:
+    return 2 * a.shape[0] ** 3 / statistics.median(times)
+
+
+def measure_matmul(dtype: torch.dtype, device: str) -> float:
+    a = _matmul_operand(dtype, device)
+    return matmul_rate(timed(lambda: a @ a, device, repeat=5), a)
+
+
+def step_bytes(model, batch: int, context: int) -> tuple[int, int]:
+    """Bytes one decode step must read: every weight except the embedding table (only `batch`
+    rows of it), plus the KV cache of every sequence; and the step's matmul FLOPs."""
+    arch = model.arch
+    elt = model.embed_tokens.weight.element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    if arch.tie_word_embeddings:
+        weights += model.embed_tokens.weight.numel()  # the LM head reads the shared matrix
+    kv = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
+    flops = 2 * weights * batch + 4 * batch * context * arch.num_layers * arch.num_heads * arch.head_dim
+    return (weights + kv) * elt + batch * arch.hidden_size * elt, flops
+
+
+def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
+    per_seq = -(-(context + 1) // block_size)
+    chunks = []
+    for i in range(batch):
+        req = Request(f"b{i}", [1] * context, SamplingParams(max_tokens=1, temperature=0))
+        req.output_token_ids.append(2)
+        table = tuple(range(i * per_seq, (i + 1) * per_seq))
+        chunks.append(ScheduledChunk(req, context, 1, table, samples=True))
+    return StepPlan(tuple(chunks))
+
+
+def tandem_step_time(
+    engine: Engine, batch: int, device: str, repeat: int, matmul: bool = True
+) -> tuple[float, float, float]:
+    """The median decode step time, and this row's rooflines: the median memory read bandwidth and
+    matrix-multiply rate (in the model's dtype) measured between runs of steps. This shared machine's
+    bandwidth drifts during a run, from 25 to 80 GB/s, and its matmul rate dips when other work
+    shares the cores, so each row is compared with the floors measured beside it. Steps are timed
+    back to back, as a decode loop runs them. The first step after the floors is not timed: it pays
+    for the probe's 256 MB sweep through the caches and the TLB (about 0.4 ms at batch 1 here),
+    which a decode loop never makes. Without `matmul` the matrix-multiply rate is not measured
+    (nan): a bfloat16 product takes seconds on a CPU without native bfloat16 arithmetic."""
+    plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
+    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
+    probe = _probe(device)
+    a = _matmul_operand(engine.runner.model.embed_tokens.weight.dtype, device)
+    steps: list[float] = []
+    sums: list[float] = []
+    products: list[float] = []
+    for _ in range(repeat):
+        steps += timed(lambda: engine.runner.execute(plan, rows), device, repeat=2, warmup=1)
+        sums += timed(lambda: probe.sum(), device, repeat=1, warmup=0)
+        if matmul:
+            products += timed(lambda: a @ a, device, repeat=1, warmup=0)
+    rate = matmul_rate(products, a) if matmul else float("nan")
+    return statistics.median(steps), probe.numel() * 4 / statistics.median(sums), rate
+
+
+class _TokenClock:
+    """A generate() streamer that timestamps each token step as transformers emits it."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:  # type: ignore[no-untyped-def]
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_token_time(hf, batch: int, device: str, new_tokens: int) -> float:
+    """Median time between successive decode steps of transformers' generate (prefill excluded)."""
+    prompt = torch.randint(3, hf.config.vocab_size, (batch, CONTEXT), device=device)
+    clock = _TokenClock()
+    with torch.inference_mode():
+        hf.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        hf.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                    eos_token_id=None, pad_token_id=0, streamer=clock)  # fmt: skip
+    # stamps: the prompt, then one per generated token; the gaps after the first token are decode steps
+    return statistics.median(b - a for a, b in zip(clock.stamps[2:], clock.stamps[3:], strict=False))
+
+
+def mixed_requests(n: int, vocab: int, seed: int = 0, scale: float = 1.0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(int(rng.randint(32, 512) * scale) or 1)],
+         int(rng.randint(16, 256) * scale) or 1)
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def engine_throughput(engine: Engine, requests: list[tuple[list[int], int]]) -> float:
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(f"m{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    start = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished:
+        produced += sum(len(o.token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def hf_static_throughput(hf, requests: list[tuple[list[int], int]], device: str, batch: int = 16) -> float:
+    start = time.perf_counter()
+    produced = 0
+    for i in range(0, len(requests), batch):
+        group = requests[i : i + batch]
+        width = max(len(p) for p, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(group):  # left padding, as decoder-only generation needs
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        longest = max(n for _, n in group)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        produced += sum(n for _, n in group)  # tokens each request asked for; the rest is padding
+    return produced / (time.perf_counter() - start)
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
