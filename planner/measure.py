@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from cluster.config import CacheConfig, ClusterConfig, SchedulerConfig
 from cluster.engine.request import SamplingParams
+from cluster.model.gguf import model_folder
 from cluster.model.loader import load_model
 from decode_worker.engine import Engine
 from planner.profile import DecodeCost, LinearCost, PrefillCost, Profile, StepCosts, fit_linear
@@ -49,7 +50,7 @@ def grids(quick: bool) -> dict[str, Any]:
 
 def profile(config: ClusterConfig, threads: list[int], quick: bool = False) -> Profile:
     m = config.model
-    model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
+    model = load_model(model_folder(m.path), m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
     arch = model.arch
     grid = grids(quick)
     buckets = tuple(sorted(m.compile_buckets)) if not quick else ()

@@ -43,6 +43,7 @@ from cluster.config import ClusterConfig
 from cluster.engine.structured import for_tokenizer
 from cluster.lifeline import ClusterUnavailable
 from cluster.model.arch import ModelArch
+from cluster.model.gguf import model_folder
 from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
@@ -340,7 +341,7 @@ def from_config(
 ) -> Router:
     """A router for the config's model (its tokenizer and config.json; no weights), not started."""
     tokenizer = Tokenizer(config.model.path)
-    settings = settings_from_config(config, ModelArch.from_folder(config.model.path), tokenizer)
+    settings = settings_from_config(config, ModelArch.from_folder(model_folder(config.model.path)), tokenizer)
     auth = config.auth
     pool = WorkerPool(discover, metadata=secret_metadata(auth), credentials=channel_credentials(auth))
     telemetry = Telemetry(config.telemetry, "tandem-router")

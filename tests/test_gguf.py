@@ -546,11 +546,21 @@ def test_model_folder_imports_once_per_content(tiny_files, tmp_path, monkeypatch
 def test_gguf_path_wherever_a_folder_is_accepted(tiny_files, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("cluster.model.gguf.DEFAULT_CACHE_DIR", tmp_path / "cache")
     path = tiny_files["Q8_0"]
-    assert ModelArch.from_folder(path).hidden_size == HIDDEN
-    model = load_model(path)
+    assert ModelArch.from_folder(model_folder(path)).hidden_size == HIDDEN
+    model = load_model(model_folder(path))
     assert model.arch.num_layers == LAYERS and not model.arch.tie_word_embeddings
     assert main(["generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_the_loader_refuses_a_gguf_file(tiny_files, monkeypatch):
+    """A `.gguf` file becomes a folder at the edge (`model_folder`), never inside the loader."""
+    monkeypatch.setattr("cluster.model.gguf.import_gguf", lambda *a, **k: pytest.fail("imported by the loader"))
+    path = tiny_files["Q8_0"]
+    refusal = r"is a GGUF file: import it first with `tandem model import-gguf` .*model_folder"
+    for load in (ModelArch.from_folder, load_model):
+        with pytest.raises(ModelFormatError, match=refusal):
+            load(path)
 
 
 def test_cli_import_gguf(tiny_files, tmp_path, capsys):

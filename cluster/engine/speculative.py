@@ -40,6 +40,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampler import Draft, Sampler, SampleRow
 from cluster.model.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
 from cluster.model.causal_lm import CausalLM
+from cluster.model.gguf import model_folder
 from cluster.model.loader import load_model
 
 # The sampling row of a request at a given history (drafted tokens appended to its output).
@@ -225,7 +226,7 @@ def build_proposer(
     assert config.draft_model is not None
     weight = target.embed_tokens.weight
     dtype = "bfloat16" if weight.dtype == torch.bfloat16 else "float32"
-    draft = load_model(config.draft_model, dtype, weight.device.type)
+    draft = load_model(model_folder(config.draft_model), dtype, weight.device.type)
     if draft.arch.vocab_size != target.arch.vocab_size:
         raise ValueError(
             f"draft model {config.draft_model} has {draft.arch.vocab_size} tokens, the served model "

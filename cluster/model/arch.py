@@ -25,6 +25,17 @@ class ModelFormatError(ValueError):
     """A model folder that Tandem cannot load; the message names the file, key or tensor."""
 
 
+def model_dir(path: str | Path) -> Path:
+    """`path` as a model folder; a `.gguf` file is refused: it becomes a folder at the edge, once."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        raise ModelFormatError(
+            f"{path} is a GGUF file: import it first with `tandem model import-gguf` or pass it "
+            "through `cluster.model.gguf.model_folder`"
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
@@ -59,10 +70,8 @@ class ModelArch:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelArch:
-        """From `folder`'s config.json; a `.gguf` file is read through its imported folder."""
-        from cluster.model.gguf import model_folder  # it imports this module
-
-        path = model_folder(folder) / "config.json"
+        """From `folder`'s config.json (a `.gguf` file is refused: `model_dir`)."""
+        path = model_dir(folder) / "config.json"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:

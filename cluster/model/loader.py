@@ -1,10 +1,11 @@
 """Strict weight loading from a Hugging Face model folder.
 
-One table maps each Hugging Face tensor name to a parameter of `cluster.model.causal_lm.CausalLM` and, for
-fused projections, the row slice it fills. Loading raises, naming the tensor, on anything missing,
-extra, mis-shaped or of a non-float type: a silent partial load is the worst bug a server can have.
-Both a single `model.safetensors` and shards listed by `model.safetensors.index.json` are read;
-`load_model` also takes a `.gguf` file, imported once into a cache folder (`cluster.model.gguf`).
+One table (`cluster.model.weights.weight_table`) maps each Hugging Face tensor name to a parameter of
+`cluster.model.causal_lm.CausalLM` and, for fused projections, the row slice it fills. Loading raises,
+naming the tensor, on anything missing, extra, mis-shaped or of a non-float type: a silent partial load
+is the worst bug a server can have. Both a single `model.safetensors` and shards listed by
+`model.safetensors.index.json` are read. A `.gguf` file is refused: the edges (the command line, the
+workers, the router, the tokenizer) make it a folder once, with `cluster.model.gguf.model_folder`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from cluster.model.arch import ModelArch, ModelFormatError
+from cluster.model.arch import ModelArch, ModelFormatError, model_dir
 from cluster.model.causal_lm import CausalLM, rope_inv_freq
-from cluster.model.gguf import model_folder
 from cluster.model.quant import quantize, quantized_skeleton
 from cluster.model.weights import DTYPES, INDEX_FILE, QUANT_KEY, SINGLE_FILE, weight_table
 
@@ -102,8 +102,8 @@ def load_model(
     """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`; with
     `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.model.quant`). A folder written
     by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's).
-    A `.gguf` file loads through its imported folder (`cluster.model.gguf.model_folder`)."""
-    folder = model_folder(folder)
+    A `.gguf` file is refused: pass it through `cluster.model.gguf.model_folder` first."""
+    folder = model_dir(folder)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     arch = ModelArch.from_folder(folder)
