@@ -120,6 +120,88 @@ def test_a_planted_wrong_import_is_caught(tmp_path, name, source, complaint):
     assert any(complaint in f for f in found), found
 
 
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, tuple[Path, set[str]]]:
+    """module -> (its file, the project modules it imports). Every absolute import counts, those
+    inside functions too; `import a.b.c` and `from a.b import c` name `a.b.c` where that module
+    exists and `a.b` otherwise. A package is its `__init__.py`."""
+    files = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")) if (root / package).is_dir() else []:
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str:
+        return name if name in files else name.rpartition(".")[0]
+
+    graph = {}
+    for module, path in files.items():
+        named = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named.update(resolve(f"{node.module}.{alias.name}") for alias in node.names)
+        graph[module] = (path, {name for name in named if name in files and name != module})
+    return graph
+
+
+def import_circles(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[list[str]]:
+    """The files of each strongly connected component of more than one module (Tarjan)."""
+    graph = import_graph(root, packages)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module][1]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                found.append(sorted(str(graph[m][0].relative_to(root)) for m in component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_the_project_has_no_import_circle():
+    """The import graph of the project's packages has no circle (`cluster` lowest, then the workers,
+    the router, the planner and the command line), imports inside functions included."""
+    circles = import_circles(ROOT)
+    assert circles == [], "import circles: " + "; ".join(" <-> ".join(files) for files in circles)
+
+
+@pytest.mark.parametrize(
+    ("b_source", "circle"),
+    [
+        ("def f():\n    import cluster.a\n", True),
+        ("def f():\n    from cluster.a import g\n", True),
+        ("def f():\n    from cluster import a\n", True),
+        ("import cluster.c\n", False),
+        ("from cluster import c\n", False),
+    ],
+)
+def test_a_planted_import_circle_is_caught(tmp_path, b_source, circle):
+    tree = {
+        "cluster/__init__.py": "",
+        "cluster/a.py": "import cluster.b\n\n\ndef g():\n    pass\n",
+        "cluster/b.py": b_source,
+        "cluster/c.py": "import json\n",
+    }
+    found = import_circles(plant(tmp_path, tree))
+    assert found == ([["cluster/a.py", "cluster/b.py"]] if circle else []), found
+
+
 def test_ruff_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is part of the dev extra"
