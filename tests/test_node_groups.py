@@ -5,8 +5,14 @@ worker on a `decode` node; scaling the decode pool up adds `decode` nodes only."
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,16 +23,44 @@ from ray.util.state import list_actors, list_nodes
 
 from cluster.config import parse_config
 from cluster.pools import ray_cluster
+from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 class NodeGroups(AutoscalingCluster):
     """Ray's fake multi-node autoscaling cluster, with its base config written here (the wheel does
-    not ship the example file the harness reads)."""
+    not ship the example file the harness reads). Ray's own `start` and `shutdown` stop every Ray on
+    the machine first (a forced stop of all its processes); these start the head in a temp dir of its
+    own, on a port of its own, and stop only the processes of that dir (the fake nodes share it)."""
+
+    def start(self, _system_config=None, override_env=None):  # type: ignore[no-untyped-def]
+        self.temp_dir = tempfile.mkdtemp(prefix="tng-", dir="/tmp")  # short: Ray's socket paths are bounded
+        self.gcs_address = f"{ray.util.get_node_ip_address()}:{free_port()}"  # where Ray's head binds
+        self._config["provider"]["gcs_address"] = self.gcs_address
+        config = Path(self.temp_dir) / "autoscaling.json"
+        config.write_text(json.dumps(self._config))
+        ray_bin = Path(sys.executable).parent / "ray"
+        command = [str(ray_bin), "start", "--head", f"--autoscaling-config={config}", f"--temp-dir={self.temp_dir}"]
+        command += [f"--port={self.gcs_address.split(':')[1]}", "--num-cpus=1"]
+        # An explicit address never sends Ray's token, so the head must not turn token auth on by itself
+        # (`ray start` does when ~/.ray/auth_token exists)
+        env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
+        subprocess.run(command, env=env, check=True, capture_output=True)
+
+    def shutdown(self) -> None:
+        own = [pid for pid in _pids() if self.temp_dir in _cmdline(pid)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in own:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while (own := [p for p in own if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _generate_config(self, head_resources, worker_node_types, autoscaler_v2=False, **config_kwargs):
         return {
@@ -58,6 +92,17 @@ class NodeGroups(AutoscalingCluster):
         }
 
 
+def _pids() -> list[int]:
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and int(d.name) != os.getpid()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def node_type(resources: dict) -> str:
     return "prefill" if "prefill" in resources else "decode" if "decode" in resources else "head"
 
@@ -83,7 +128,7 @@ def autoscaling_ray():
         },
     )
     fake.start()
-    ray.init("auto", namespace="tandem-node-groups", log_to_driver=False)
+    ray.init(fake.gcs_address, namespace="tandem-node-groups", log_to_driver=False)
     yield
     ray.shutdown()
     fake.shutdown()
@@ -95,7 +140,7 @@ def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
             "cache": {"num_blocks": 64},
-            "ray_address": "auto",
+            "ray_address": "auto",  # joins the Ray this process is connected to
             "prefill": {"num_cpus": 1, "resource": "prefill"},
             "decode": {"num_cpus": 1, "resource": "decode", "autoscaling": {"min_replicas": 1, "max_replicas": 2}},
         }
