@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models written by transformers' `save_pretrained`."""
+"""Shared fixtures: tiny random-weight models written by transformers' `save_pretrained`, and the
+real model; and how `make test` spreads the modules over its two pytest-xdist workers."""
 
 from __future__ import annotations
 
@@ -115,3 +116,25 @@ def smollm2_reference(smollm2, smollm2_hf):
     tok = Tokenizer(smollm2)
     prompts = [tok.encode(p) for p in PLAIN] + [tok.encode_chat(chat(c)) for c in CHATS]
     return reference(smollm2_hf[0], prompts)
+
+
+# Fixtures slow enough to build that every module using them runs in one worker, which builds them once.
+SHARED_SLOW_FIXTURES = {"smollm2_hf": "smollm2-hf", "smollm2_reference": "smollm2-hf"}
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    """Groups for `pytest -n 2 --dist loadgroup` (what `make test` runs): a module's tests stay in one
+    worker, so its module-scoped clusters, servers and models are built once; every module marked
+    `ray` shares one group, so no two Ray clusters start at once; modules that use a slow session
+    fixture share a group. The `ray` group goes first: it is the longest, the other worker takes the rest."""
+    groups: dict[str, str] = {}
+    for item in items:
+        module = item.path.stem
+        if item.get_closest_marker("ray"):
+            groups[module] = "ray"
+        elif module not in groups or groups[module] == module:
+            shared = [SHARED_SLOW_FIXTURES[f] for f in item.fixturenames if f in SHARED_SLOW_FIXTURES]
+            groups[module] = shared[0] if shared else module
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.path.stem]))
+    items.sort(key=lambda item: groups[item.path.stem] != "ray")  # stable: each module keeps its order

@@ -32,7 +32,7 @@ from tests.test_structured_cluster import KINDS, PROMPTS, TYPED
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def config():

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 LOCAL_MAX = 8  # prompts up to this many tokens are prefilled on the decode worker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def config(transport: str):

@@ -24,7 +24,7 @@ from router.server import from_config
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 SCALING = {
     "min_replicas": 1, "max_replicas": 2, "interval_s": 0.3, "upscale_delay_s": 0.6, "downscale_delay_s": 2.0,

@@ -33,6 +33,7 @@ COOKIE = "ray-authentication-token"  # what the dashboard's token prompt sets (P
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.ray,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)"),
 ]
 

@@ -40,6 +40,7 @@ RAY_FOLLOWS_S = 2.0 + SCRAPE_S
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.ray,
     pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus)"),
 ]
 

@@ -23,6 +23,8 @@ from router.fake_workers import FakeFleet
 from tests.net import free_port
 from tests.test_router_async import make_router
 
+pytestmark = pytest.mark.ray  # its slow tests start a Ray cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 LOST_AFTER_S = 3.0
 # docs/operations.md: serve exits within router.ray_lost_after_s + 30 s of the GCS's death.

@@ -195,6 +195,7 @@ STUB = (
 )
 
 
+@pytest.mark.ray
 def test_a_replica_shares_the_port_and_the_ray_cluster_and_leaves_http_and_metrics_to_others(tmp_path):
     argv = command(tmp_path / "c.json", 50051, "10.0.0.1:6379")
     assert argv == [

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 NAMESPACE = ray_cluster.NAMESPACE  # the default, which `tandem router` attaches to
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def config():

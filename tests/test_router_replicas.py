@@ -19,7 +19,7 @@ from router.client import AsyncClient, Client
 from router.fake_workers import FakeFleet
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def start_router(addresses: dict[str, str], address: str, config: dict | None = None) -> tuple[subprocess.Popen, str]:

@@ -13,6 +13,8 @@ import pytest
 from cluster.config import BUNDLED_MODEL, ConfigError, serve_config
 from cluster.model.builder import init_model_folder
 
+pytestmark = pytest.mark.ray  # its slow tests start a Ray cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 TANDEM = str(Path(sys.executable).parent / "tandem")
 

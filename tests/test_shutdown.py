@@ -19,7 +19,7 @@ from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def health(address: str) -> int | None:
