@@ -13,9 +13,13 @@ so the same weights give the same sequences and scores:
   once the best running beam, scored at its current length, cannot beat the worst finished one;
   "never" scores it at `max_tokens` when `length_penalty > 0` (the canonical, exhaustive rule).
 
-This class is the arithmetic only. The engine runs each running beam as a sequence whose KV
-blocks are shared with its siblings (`BlockManager.fork`, copy-on-write) and feeds this class one
-row of logits per beam per step.
+`BeamSearch` is the arithmetic only. `BeamGroups` runs each running beam as a sequence whose KV
+blocks are shared with its siblings (`BlockManager.fork`, copy-on-write), in the engine's step:
+
+    plan = beams.settle(scheduler.schedule())        # a group's beams run together, or not at all
+    output = runner.run(plan)                        # a beam's row is not sampled: its logits come back
+    scheduler.update(beams.unsampled(plan), ...)     # the other requests' tokens
+    finished = beams.advance(output.logits)          # each group's step: its beams forked anew
 """
 
 from __future__ import annotations
@@ -185,6 +189,12 @@ class BeamGroups:
         whole = {g for g, n in sampling.items() if n == len(self._groups[g].members)}
         kept = tuple(c for c in live if c.request.group is None or c.request.group in whole or not c.samples)
         return StepPlan(kept, plan.preempted, plan.copies)
+
+    @staticmethod
+    def unsampled(plan: StepPlan) -> StepPlan:
+        """`plan` without the chunks of beams that sample: `advance` replaces those sequences with
+        their continuations, so the scheduler has nothing to append to them."""
+        return StepPlan(tuple(c for c in plan.chunks if not (c.samples and c.request.group is not None)))
 
     def advance(self, logits: dict[str, torch.Tensor]) -> list[BeamResult]:
         """One beam-search step for every group whose beams' next-token logits are in `logits`

@@ -3,21 +3,28 @@
 
     engine.add_request(id, prompt_token_ids, params)
     while engine.has_unfinished:
-        for out in engine.step():   # schedule -> execute -> update -> detokenise
+        for out in engine.step():   # schedule -> run -> update
             ...
 
-`step()` is three calls: the scheduler plans, the runner executes, the scheduler applies the
-samples. The engine adds what a client sees: text deltas, stop strings, logprobs, and
-`RequestOutput`s. Aborting a request frees its blocks at once.
+`step()` is three calls, as in nano-vllm and vLLM v1:
 
-With a proposer (`cluster.engine.speculative`), each step first asks it for draft tokens for the decoding
-requests, the scheduler adds them to the plan, one pass scores them all (each token a decode row,
-through a compiled graph where one fits), and `Sampler.verify` keeps what the target model agrees
-with: a request may gain several tokens in a step. Requests with and without speculation, and with
-different draft lengths, share a batch.
+    plan = self._schedule()                # StepPlan: the scheduler's, beam groups settled, drafts added
+    output = self.runner.run(plan)         # StepOutput: each sampling request's new tokens, each beam's logits
+    outputs = self._update(plan, output)   # the scheduler appends the tokens; text, stop strings, beams
 
-A request with `num_beams > 1` runs beam search (`decode_worker.beam`): its beams are sequences in
-the same batch that share KV blocks, and its one output, at the end, carries every beam.
+The engine adds what a client sees: text deltas, stop strings, logprobs, and `RequestOutput`s.
+Aborting a request frees its blocks at once. Each variant lives in its own module:
+
+- Speculative decoding (`cluster.engine.speculative`): the `Speculator` asks the proposer for draft
+  tokens for the decoding requests and the scheduler adds them to the plan; the runner scores
+  them all in one pass (each token a decode row, through a compiled graph where one fits) and
+  `Sampler.verify` keeps what the target model agrees with, so a request may gain several tokens
+  in a step. Requests with and without speculation, and with different draft lengths, share a batch.
+- Beam search (`decode_worker.beam`): a request with `num_beams > 1` has its beams as sequences in
+  the same batch that share KV blocks; the runner hands back their logits, `BeamGroups` steps the
+  search, and the request's one output, at the end, carries every beam.
+- Structured output (`cluster.engine.structured`): a constrained request carries a matcher; the
+  runner computes its masks beside the forward pass, and the scheduler advances it over new tokens.
 """
 
 from __future__ import annotations
@@ -26,18 +33,16 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
 from cluster.engine.kv_events import KVJournal
-from cluster.engine.model_runner import ModelRunner, num_kv_blocks
-from cluster.engine.request import Request, SamplingParams, ScheduledChunk, StepPlan
-from cluster.engine.sampler import Draft, Sampler, SampleRow, TokenLogprob
-from cluster.engine.speculative import DraftProposer, Proposer
-from cluster.engine.structured import Grammars, PendingMasks, grammatical
+from cluster.engine.model_runner import ModelRunner, StepOutput, num_kv_blocks
+from cluster.engine.request import Request, SamplingParams, StepPlan
+from cluster.engine.sampler import Sampler, TokenLogprob
+from cluster.engine.speculative import Proposer, Speculator
+from cluster.engine.structured import Grammars
 from cluster.model.causal_lm import CausalLM
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.scheduler import Scheduler
@@ -100,9 +105,10 @@ class Engine:
         compiled = (
             CompiledDecode(model, compile_buckets, cache.block_size, self.num_blocks) if compile_buckets else None
         )
-        self.runner = ModelRunner(model, self.num_blocks, cache.block_size, sampler, compiled, cache.kv_dtype)
+        self.runner = ModelRunner(
+            model, self.num_blocks, cache.block_size, sampler, compiled, cache.kv_dtype, eos_token_ids, grammars
+        )
         self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs = scheduler.max_num_seqs
         self._streams: dict[str, _Stream] = {}
         # Steps and KV-transfer reservations arrive on different threads; the scheduler and block
@@ -112,7 +118,11 @@ class Engine:
         self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
         self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
-        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.speculator = (
+            Speculator(proposer, num_speculative_tokens, self.scheduler, self.runner.row)
+            if proposer is not None
+            else None
+        )
         self.grammars = grammars  # structured output; None refuses constrained requests
 
     def warm_up(self) -> None:
@@ -120,8 +130,8 @@ class Engine:
         own), so that no request waits for a compile; nothing to do without buckets."""
         if self.runner.compiled is not None:
             self.runner.compiled.warm_up(self.kv_cache)
-        if isinstance(self.proposer, DraftProposer):
-            self.proposer.warm_up()
+        if self.speculator is not None:
+            self.speculator.warm_up()
 
     @property
     def has_unfinished(self) -> bool:
@@ -182,9 +192,7 @@ class Engine:
                 raise KeyError(f"no reservation for request {request_id!r}")
             self._reserved.discard(request_id)
             self._open_stream(request)  # before the first token joins the output: it is decoded as new text
-            self.scheduler.admit(request, first_token)
-            if request.matcher is not None:
-                request.matcher.consume([first_token])
+            self.scheduler.admit(request, first_token)  # and the matcher takes the first token
             self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
 
     def add_request(
@@ -229,83 +237,40 @@ class Engine:
             self._streams.pop(request_id, None)
             self._pending = [out for out in self._pending if out.request_id != request_id]
             found = self.beams.abort(request_id) or self.scheduler.abort(request_id) is not None
-            if self.proposer is not None:
-                self.proposer.retain(self.scheduler.requests)
+            if self.speculator is not None:
+                self.speculator.retain(self.scheduler.requests)
             return found
 
     def step(self) -> list[RequestOutput]:
         with self.lock:
             outputs, self._pending = self._pending, []
-            return outputs + self._step()
+            plan = self._schedule()
+            if plan.empty:
+                return outputs
+            output = self.runner.run(plan)
+            return outputs + self._update(plan, output)
 
-    def _step(self) -> list[RequestOutput]:
+    def _schedule(self) -> StepPlan:
+        """The scheduler's plan, less the beam groups that cannot step whole, with drafts added."""
         plan = self.scheduler.schedule()
         if self.beams:
             plan = self.beams.settle(plan)
-        if plan.empty:
-            return []
-        drafts: dict[str, Draft] = {}
-        if self.num_speculative_tokens:
-            plan, drafts = self._speculate(plan)
-        sampling = [c for c in plan.chunks if c.samples and c.request.group is None]
-        before = {c.request.request_id: len(c.request.output_token_ids) for c in sampling}
-        tokens, logprobs, beam_logits = self._execute(plan, sampling, drafts)
-        ids = [c.request.request_id for c in sampling]
-        sampled = dict(zip(ids, tokens, strict=True))
-        lps = dict(zip(ids, logprobs, strict=True)) if logprobs is not None else {}
+        if self.speculator is not None and not plan.empty:
+            plan = self.speculator.draft(plan)
+        return plan
+
+    def _update(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
+        """Applies a step's output: the scheduler appends each request's new tokens, which become
+        its text delta (ending it at a stop string); the beam groups take their beams' logits."""
+        before = {c.request.request_id: len(c.request.output_token_ids) for c in plan.chunks if c.samples}
         outputs = []
-        stepped = StepPlan(tuple(c for c in plan.chunks if not (c.samples and c.request.group is not None)))
-        for request in self.scheduler.update(stepped, sampled):
+        for request in self.scheduler.update(self.beams.unsampled(plan), output.token_ids):
             new = request.output_token_ids[before[request.request_id] :]
-            outputs.append(self._output(request, new, lps.get(request.request_id)))
-        for c in sampling:
-            if c.request.matcher is not None and not c.request.finished:
-                c.request.matcher.consume(c.request.output_token_ids[before[c.request.request_id] :])
-        outputs += [self._beam_output(result) for result in self.beams.advance(beam_logits)]
-        if self.proposer is not None:
-            self.proposer.retain(self.scheduler.requests)  # finished requests' draft state goes now
+            outputs.append(self._output(request, new, output.logprobs.get(request.request_id)))
+        outputs += [self._beam_output(result) for result in self.beams.advance(output.logits)]
+        if self.speculator is not None:
+            self.speculator.retain(self.scheduler.requests)  # finished requests' draft state goes now
         return outputs
-
-    def _execute(
-        self, plan: StepPlan, sampling: list[ScheduledChunk], drafts: dict[str, Draft]
-    ) -> tuple[list[list[int]], list[list[TokenLogprob]] | None, dict[str, torch.Tensor]]:
-        """Runs the pass: each sampling request's new tokens (and logprobs), and each beam's logits.
-        A plain step samples one token per request (through a compiled graph when it can); a step
-        with drafts or beams takes the logits of every row and verifies or hands them on."""
-        if not drafts and len(sampling) == sum(c.samples for c in plan.chunks):
-            rows = [self._row(c.request) for c in sampling]
-            masks = self._masks([(i, c.request, ()) for i, c in enumerate(sampling)])
-            result = self.runner.execute(plan, rows, masks=masks)
-            if result.logprobs is None:
-                return [[t] for t in result.token_ids], None, {}
-            pairs = zip(result.logprobs, result.top_logprobs, strict=True)  # type: ignore[arg-type]
-            return [[t] for t in result.token_ids], [[pair] for pair in pairs], {}
-        rows, verifying, plain_rows, beams, constrained, at = [], [], [], {}, [], 0
-        for c in plan.chunks:
-            if not c.samples:
-                continue
-            if c.request.group is not None:
-                beams[c.request.request_id] = at
-            else:
-                constrained.append((len(rows), c.request, c.draft))
-                rows += [self._row(c.request, c.draft[:j]) for j in range(len(c.draft) + 1)]
-                verifying.append(self._draft(c.draft, drafts.get(c.request.request_id)))
-                plain_rows += range(at, at + len(c.draft) + 1)
-            at += 1 + len(c.draft)
-        masks = self._masks(constrained)  # beside the pass
-        logits = self.runner.logits(plan)
-        assert logits is not None
-        if masks is not None:
-            rows = masks.attach(rows)
-        verified = self.runner.sampler.verify(logits[plain_rows], rows, verifying)
-        return verified.token_ids, verified.logprobs, {rid: logits[i] for rid, i in beams.items()}
-
-    def _masks(self, entries: list[tuple[int, Request, tuple[int, ...]]]) -> PendingMasks | None:
-        """Starts the structured-output masks of the constrained entries (first row, request, draft)."""
-        work = [(row, r.matcher, d) for row, r, d in entries if r.matcher is not None]
-        if not work or self.grammars is None:
-            return None
-        return self.grammars.masks(work)
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         request = result.request
@@ -327,43 +292,6 @@ class Engine:
             num_passes=len(best.token_ids),
             beams=beams,
         )
-
-    def _speculate(self, plan: StepPlan) -> tuple[StepPlan, dict[str, Draft]]:
-        """Asks the proposer for each decoding request's draft and adds what fits to the plan."""
-        assert self.proposer is not None
-        candidates, ks = [], []
-        for c in plan.chunks:
-            if c.samples and c.num_new == 1 and c.request.group is None and (k := self._draft_length(c.request)) > 0:
-                candidates.append(c.request)
-                ks.append(k)
-        if not candidates:
-            return plan, {}
-        proposals = self.proposer.propose(candidates, ks, self._row)
-        proposals = [grammatical(r.matcher, d) for r, d in zip(candidates, proposals, strict=True)]
-        drafts = {r.request_id: d for r, d in zip(candidates, proposals, strict=True) if d.tokens}
-        plan = self.scheduler.speculate(plan, {rid: d.tokens for rid, d in drafts.items()})
-        return plan, {c.request.request_id: drafts[c.request.request_id] for c in plan.chunks if c.draft}
-
-    def _draft_length(self, request: Request) -> int:
-        asked = request.params.speculative_tokens
-        k = self.num_speculative_tokens if asked is None else min(asked, self.num_speculative_tokens)
-        return min(k, self.scheduler.room(request))
-
-    @staticmethod
-    def _draft(tokens: tuple[int, ...], proposed: Draft | None) -> Draft:
-        """The draft as the plan kept it (the scheduler may have shortened it)."""
-        if proposed is None or proposed.probs is None:
-            return Draft(tokens)
-        return Draft(tokens, proposed.probs[: len(tokens)])
-
-    def _row(self, request: Request, drafted: Sequence[int] = ()) -> SampleRow:
-        """The sampling row of `request` with `drafted` tokens appended to its output so far."""
-        params = request.params
-        suppressed: tuple[int, ...] = ()
-        if len(request.output_token_ids) + len(drafted) < params.min_tokens:
-            suppressed = (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
-        output = [*request.output_token_ids, *drafted] if drafted else request.output_token_ids
-        return SampleRow(params, request.prompt_token_ids, output, suppressed)
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         stream = self._streams[request.request_id]

@@ -2,13 +2,14 @@
 
 Each step:
 
-    plan = scheduler.schedule()                 # which tokens of which requests run, with block tables
-    output = runner.execute(plan)               # the model runs the plan, samples one token per row
-    finished = scheduler.update(plan, output)   # counts computed tokens, appends samples, finishes
+    plan = scheduler.schedule()                           # which tokens of which requests run, with block tables
+    output = runner.run(plan)                             # the model runs the plan, picks the next tokens
+    changed = scheduler.update(plan, output.token_ids)    # counts computed tokens, appends samples, finishes
 
 With speculative decoding, `speculate(plan, drafts)` adds proposed tokens to decode chunks before
 the pass, and `update` appends every token the verification kept, then trims the blocks that
-held rejected ones.
+held rejected ones. A structured-output request's matcher advances over the tokens `update` (or
+`admit`) appends, unless they end the request.
 
 `schedule()` first gives every running request its next tokens (one for a decoding request, a chunk
 for one still catching up with its prompt), oldest first, then admits waiting requests in arrival
@@ -100,6 +101,8 @@ class Scheduler:
         reason = self._stop_reason(request, first_token)
         if reason is not None:
             self._finish(request, reason)
+        elif request.matcher is not None:
+            request.matcher.consume([first_token])
 
     def abort(self, request_id: str) -> Request | None:
         """Finishes a request at once and frees its blocks; unknown or finished ids return None."""
@@ -220,7 +223,8 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: Mapping[str, Sequence[int]]) -> list[Request]:
         """Applies a step's output: each sampling request's new tokens (one, or with speculation
-        the accepted draft tokens and one more). Returns the requests that gained a token or finished."""
+        the accepted draft tokens and one more), which its matcher, if any, advances over unless
+        they end it. Returns the requests that gained a token or finished."""
         changed = []
         for chunk in plan.chunks:
             request = chunk.request
@@ -238,6 +242,8 @@ class Scheduler:
                     kept += 1
                     if (reason := self._stop_reason(request, token)) is not None:
                         break
+                if reason is None and request.matcher is not None:
+                    request.matcher.consume(tokens)
                 changed.append(request)
             # Every kept token but the last was a draft token whose KV this pass computed.
             request.num_computed_tokens = end = end + max(kept - 1, 0)

@@ -1,22 +1,33 @@
 """Executes a `StepPlan` on the model: builds the flat batch, runs one forward pass, samples.
 
 The runner owns the paged KV cache (one preallocated key and value tensor per layer) and knows
-nothing about scheduling: it computes exactly the token ranges the plan names and samples one
-token for each chunk that reaches its request's last token.
+nothing about scheduling: it computes exactly the token ranges the plan names, and picks the next
+tokens of each chunk that reaches its request's last token.
+
+    output = runner.run(plan)   # a decode step: StepOutput, new tokens (and logprobs) by request id
+    result = runner.execute(plan, rows, after_layer, masks)   # one sample per row (the prefill worker)
+
+`run` reads everything from the plan. A constrained request's masks (`cluster.engine.structured`)
+are computed on their thread while the pass runs. A step of plain rows samples one token each
+(`execute`). A step with drafts or beams takes the logits of every row: each chunk with a draft
+(`ScheduledChunk.draft`, `draft_probs`) is verified by `Sampler.verify`, which keeps the draft
+tokens the target agrees with and adds one of its own; plain rows in that step are verified with
+an empty draft; a beam's row (`Request.group`) is not sampled: its logits go to the beam search.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from cluster.config import CacheConfig
 from cluster.engine.block_manager import kv_block_bytes, num_blocks_for_budget
 from cluster.engine.compiled import CompiledDecode
-from cluster.engine.request import StepPlan
-from cluster.engine.sampler import Sampler, SampleResult, SampleRow
-from cluster.engine.structured import PendingMasks
+from cluster.engine.request import Request, ScheduledChunk, StepPlan
+from cluster.engine.sampler import Draft, Sampler, SampleResult, SampleRow, TokenLogprob
+from cluster.engine.structured import Grammars, PendingMasks
 from cluster.model import cpu_kernels
 from cluster.model.attention import (
     SeqChunk,
@@ -28,6 +39,15 @@ from cluster.model.attention import (
 from cluster.model.causal_lm import CausalLM
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """What a decode step gave the requests of its plan that sample, by request id."""
+
+    token_ids: dict[str, list[int]]  # accepted draft tokens, then one of the target's own
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per token; empty when no row asked
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # each beam's next-token logits [vocab]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -37,6 +57,8 @@ class ModelRunner:
         sampler: Sampler,
         compiled: CompiledDecode | None = None,
         kv_dtype: str = "auto",
+        eos_token_ids: Sequence[int] = (),
+        grammars: Grammars | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -49,8 +71,70 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = sampler
         self.compiled = compiled
+        self.eos_token_ids = tuple(eos_token_ids)  # suppressed before a request's min_tokens
+        self.grammars = grammars  # computes structured output's masks in `run`
         if self.device.type == "cpu":
             cpu_kernels.available()  # build (or load) the CPU kernels now, not in the first decode step
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput:
+        """A decode step: the pass over `plan`, and each sampling request's new tokens (see the
+        module's docstring); structured output's masks are computed beside the pass."""
+        sampling = [c for c in plan.chunks if c.samples]
+        plain = [c for c in sampling if c.request.group is None]
+        masks = self._masks(plain)  # started now, waited for after the pass
+        ids = [c.request.request_id for c in plain]
+        if len(plain) < len(sampling) or any(c.draft for c in plain):
+            return self._verify(plan, sampling, masks)
+        result = self.execute(plan, [self.row(c.request) for c in plain], masks=masks)
+        tokens = {rid: [t] for rid, t in zip(ids, result.token_ids, strict=True)}
+        if result.logprobs is None:
+            return StepOutput(tokens)
+        pairs = zip(ids, result.logprobs, result.top_logprobs, strict=True)  # type: ignore[arg-type]
+        return StepOutput(tokens, {rid: [(lp, top)] for rid, lp, top in pairs})
+
+    def _verify(self, plan: StepPlan, sampling: list[ScheduledChunk], masks: PendingMasks | None) -> StepOutput:
+        """A step with drafts or beams: every sampling row's logits; drafts (empty for a plain
+        request) verified, beams' rows handed on."""
+        rows, drafts, plain_rows, beams, at = [], [], [], {}, 0
+        for c in sampling:
+            if c.request.group is not None:
+                beams[c.request.request_id] = at
+            else:
+                rows += [self.row(c.request, c.draft[:j]) for j in range(len(c.draft) + 1)]
+                drafts.append(Draft(c.draft, c.draft_probs))
+                plain_rows += range(at, at + len(c.draft) + 1)
+            at += 1 + len(c.draft)
+        logits = self.logits(plan)
+        assert logits is not None
+        if masks is not None:
+            rows = masks.attach(rows)
+        verified = self.sampler.verify(logits[plain_rows], rows, drafts)
+        ids = [c.request.request_id for c in sampling if c.request.group is None]
+        tokens = dict(zip(ids, verified.token_ids, strict=True))
+        logprobs = dict(zip(ids, verified.logprobs, strict=True)) if verified.logprobs is not None else {}
+        return StepOutput(tokens, logprobs, {rid: logits[i] for rid, i in beams.items()})
+
+    def _masks(self, chunks: list[ScheduledChunk]) -> PendingMasks | None:
+        """Starts the structured-output masks of the constrained chunks' rows (each chunk has one
+        row per draft token and one past the last, in order)."""
+        work, row = [], 0
+        for c in chunks:
+            if c.request.matcher is not None:
+                work.append((row, c.request.matcher, c.draft))
+            row += 1 + len(c.draft)
+        if not work or self.grammars is None:
+            return None
+        return self.grammars.masks(work)
+
+    def row(self, request: Request, drafted: Sequence[int] = ()) -> SampleRow:
+        """The sampling row of `request` with `drafted` tokens appended to its output so far."""
+        params = request.params
+        suppressed: tuple[int, ...] = ()
+        if len(request.output_token_ids) + len(drafted) < params.min_tokens:
+            suppressed = (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
+        output = [*request.output_token_ids, *drafted] if drafted else request.output_token_ids
+        return SampleRow(params, request.prompt_token_ids, output, suppressed)
 
     @torch.inference_mode()
     def execute(

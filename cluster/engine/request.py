@@ -245,6 +245,8 @@ class ScheduledChunk:
     block_table: tuple[int, ...]
     samples: bool  # the chunk reaches the request's last token, so its logits pick the next one
     draft: tuple[int, ...] = ()  # speculative tokens after the last one, counted in num_new
+    # The proposer's probability of each draft token ([len(draft), vocab], a torch tensor), or None.
+    draft_probs: Any = field(default=None, compare=False)
 
     @property
     def input_token_ids(self) -> list[int]:

@@ -10,6 +10,11 @@ one token of its own. Rejected guesses leave nothing behind: the scheduler trims
     ... the target verifies them ...
     proposer.retain(live_request_ids)                   # forget finished requests
 
+A decode engine drives its proposer through a `Speculator`: after the scheduler's plan, and before
+the pass, `speculator.draft(plan)` asks for each decoding request's draft, cuts it to what the
+request's grammar accepts, and has the scheduler add what fits (each chunk's `draft`, with the
+proposer's probabilities in `draft_probs`); the runner verifies them in the pass.
+
 Two proposers:
 
 - `NgramProposer` (prompt lookup): finds the most recent earlier occurrence of the request's last
@@ -26,8 +31,9 @@ Two proposers:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,8 +42,9 @@ import torch
 from cluster.config import SpeculativeConfig
 from cluster.engine.block_manager import BlockManager, kv_block_bytes, num_blocks_for_budget
 from cluster.engine.compiled import CompiledDecode
-from cluster.engine.request import Request
+from cluster.engine.request import Request, ScheduledChunk, StepPlan
 from cluster.engine.sampler import Draft, Sampler, SampleRow
+from cluster.engine.structured import grammatical
 from cluster.model.attention import SeqChunk, allocate_kv_cache, as_decode_rows, build_attention_metadata
 from cluster.model.causal_lm import CausalLM
 from cluster.model.gguf import model_folder
@@ -55,6 +62,66 @@ class Proposer(Protocol):
     def retain(self, request_ids: Iterable[str]) -> None:
         """Drops the state of every request not named."""
         ...
+
+
+class DraftScheduler(Protocol):
+    """What a `Speculator` needs of the decode scheduler."""
+
+    def room(self, request: Request) -> int:
+        """Draft tokens `request` could still keep."""
+        ...
+
+    def speculate(self, plan: StepPlan, drafts: Mapping[str, Sequence[int]]) -> StepPlan:
+        """`plan` with as much of each request's draft as fits."""
+        ...
+
+
+class Speculator:
+    """A proposer's part in a decode step: drafts for the plan's decoding requests, up to
+    `num_tokens` each (or fewer, as a request asks)."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int, scheduler: DraftScheduler, rows_for: RowsFor) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.scheduler = scheduler
+        self.rows_for = rows_for
+
+    def warm_up(self) -> None:
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.warm_up()
+
+    def draft(self, plan: StepPlan) -> StepPlan:
+        """`plan` with drafts added to the chunks of its decoding requests (not beams), as far as
+        the scheduler finds room; each is first cut to the prefix its request's grammar accepts."""
+        candidates, ks = [], []
+        for c in plan.chunks:
+            if c.samples and c.num_new == 1 and c.request.group is None and (k := self._length(c.request)) > 0:
+                candidates.append(c.request)
+                ks.append(k)
+        if not candidates:
+            return plan
+        proposals = self.proposer.propose(candidates, ks, self.rows_for)
+        proposals = [grammatical(r.matcher, d) for r, d in zip(candidates, proposals, strict=True)]
+        drafts = {r.request_id: d for r, d in zip(candidates, proposals, strict=True) if d.tokens}
+        plan = self.scheduler.speculate(plan, {rid: d.tokens for rid, d in drafts.items()})
+        chunks = tuple(_with_probs(c, drafts[c.request.request_id]) if c.draft else c for c in plan.chunks)
+        return dataclasses.replace(plan, chunks=chunks)
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Forgets the draft state of every request not named."""
+        self.proposer.retain(request_ids)
+
+    def _length(self, request: Request) -> int:
+        asked = request.params.speculative_tokens
+        k = self.num_tokens if asked is None else min(asked, self.num_tokens)
+        return min(k, self.scheduler.room(request))
+
+
+def _with_probs(chunk: ScheduledChunk, proposed: Draft) -> ScheduledChunk:
+    """`chunk` with the probabilities of its draft as the plan kept it (the scheduler may have shortened it)."""
+    if proposed.probs is None:
+        return chunk
+    return dataclasses.replace(chunk, draft_probs=proposed.probs[: len(chunk.draft)])
 
 
 class NgramProposer:
