@@ -15,6 +15,7 @@ from tandem.v1 import kv_transfer_pb2 as pb
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.request import SamplingParams
 from cluster.kv.collective import CollectiveGroups
+from cluster.kv.framing import deserialize, serialize
 from cluster.kv.grpc_transport import CollectiveSender, GrpcSender, serve
 from cluster.kv.transport import KVReceiver, LocalSender, SendStream, TransferState
 from cluster.kv.wire import (
@@ -25,11 +26,9 @@ from cluster.kv.wire import (
     decode_chunk,
     decode_commit,
     decode_header,
-    deserialize,
     encode,
     make_chunk,
     model_fingerprint,
-    serialize,
 )
 from cluster.model.attention import quantize_rows
 from cluster.model.loader import load_model

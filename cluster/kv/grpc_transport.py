@@ -23,6 +23,7 @@ from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 from cluster import tls
 from cluster.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, message_options, start_server
 from cluster.kv.collective import CollectiveGroups
+from cluster.kv.framing import deserialize, serialize
 from cluster.kv.transport import KVReceiver, SendStream
 from cluster.kv.wire import (
     KVChunk,
@@ -33,8 +34,6 @@ from cluster.kv.wire import (
     decode_chunk,
     decode_commit,
     decode_header,
-    deserialize,
-    serialize,
 )
 
 # Read the socket in MiB-sized pieces rather than gRPC's default few KiB: transfer messages are
