@@ -219,7 +219,7 @@ class Scheduler:
                     chunk = replace(chunk, num_new=1 + k, block_table=table, draft=tuple(draft[:k]))
                     budget -= k
             chunks.append(chunk)
-        return StepPlan(tuple(chunks), plan.preempted)
+        return StepPlan(tuple(chunks), plan.preempted, plan.copies)
 
     def update(self, plan: StepPlan, sampled: Mapping[str, Sequence[int]]) -> list[Request]:
         """Applies a step's output: each sampling request's new tokens (one, or with speculation

@@ -157,3 +157,27 @@ def test_sampling_parameters_that_beam_search_cannot_honour_are_refused():
     with pytest.raises(ValueError, match="early_stopping"):
         SamplingParams(num_beams=2, early_stopping="sometimes")
     assert list(itertools.islice(iter(CASES), 1))
+
+
+def test_beams_beside_a_speculating_request_keep_their_copy_on_write():
+    """A step that speculates for one request still copies the blocks the beams of another share
+    before they write them: the beams come out as they do alone."""
+    from pathlib import Path
+
+    from cluster.engine.speculative import NgramProposer
+    from cluster.model.tokenizer import Tokenizer
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
+    model, tok = load_model(demo, "float32"), Tokenizer(demo)
+    ids = tok.encode((demo / "heldout_eval.txt").read_text())
+    cache = CacheConfig(block_size=4, num_blocks=400, watermark=0.0)
+    budget = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, long_prefill_chunk=64)
+    beam = (ids[100:110], SamplingParams(max_tokens=12, num_beams=3, temperature=0.0))
+    plain = (ids[500:520] * 2, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    alone = drive(Engine(model, tok, cache, budget, tok.eos_token_ids), {"b": beam})[1]["b"]
+    ngram = NgramProposer()
+    speculating = Engine(model, tok, cache, budget, tok.eos_token_ids, proposer=ngram, num_speculative_tokens=4)
+    mixed = drive(speculating, {"b": beam, "p": plain})[1]["b"]
+    assert [(b.token_ids, pytest.approx(b.score, abs=1e-4)) for b in mixed.beams] == [
+        (b.token_ids, b.score) for b in alone.beams
+    ]
