@@ -9,8 +9,9 @@
 - `cluster.pools`: Ray at the edge (actors, pool controllers, the autoscaling policy).
 
 At the top: the config schema (`config`), traces and metrics (`telemetry`), serving-metric and SLO
-definitions (`slo`), credentials (`auth`, `tls`), gRPC servers (`grpc_server`), the wedged-engine
-canary (`watchdog`), offline generation (`generate`) and the commands that need no cluster (`cli`).
+definitions (`slo`), credentials (`auth`, `tls`), gRPC servers (`grpc_server`), the shell both
+workers extend (`worker_shell`), the wedged-engine canary (`watchdog`), offline generation
+(`generate`) and the commands that need no cluster (`cli`).
 Imports nothing from the workers or the router; `tests/test_layering.py` holds each subpackage to
 its layer.
 """

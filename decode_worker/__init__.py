@@ -1,3 +1,5 @@
-"""The decode worker: the paged KV block manager, the continuous-batching scheduler, the sampler and
-the receiving end of KV transfer. Imports `cluster`, never `prefill_worker` or `router`.
+"""The decode worker: the continuous-batching scheduler, beam search, the engine that steps them
+(and its asyncio front), the receiving end of KV transfers, and the gRPC worker on
+`cluster.worker_shell`. The block manager, the sampler and the model runner it uses are
+`cluster.engine`'s. Imports `cluster`, never `prefill_worker` or `router`.
 """

@@ -1,4 +1,5 @@
-"""The decode worker as a gRPC server: `tandem.v1.Worker`, `tandem.v1.KVTransfer` and health.
+"""The decode worker as a gRPC server: `tandem.v1.Worker`, `tandem.v1.KVTransfer` and health, on the
+shell both workers share (`cluster.worker_shell`: the server's lifecycle, Abort, GetLoad, Watch, Drain).
 
 Lifecycle of a request here:
 
@@ -18,26 +19,21 @@ The engine is stepped by one thread; Submit, Abort and the transfer intake reach
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Iterator
 
 import grpc
-from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import api_pb2, worker_pb2
 
-from cluster.auth import cluster_secret
-from cluster.config import ClusterConfig, TelemetryConfig
+from cluster.config import AuthConfig, ClusterConfig
 from cluster.engine.speculative import build_proposer
 from cluster.engine.structured import for_tokenizer
-from cluster.grpc_server import Server, admit_submit, start_server, watch_loads
+from cluster.grpc_server import admit_submit
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv.wire import model_fingerprint
-from cluster.model.loader import load_model
-from cluster.model.tokenizer import Tokenizer
 from cluster.telemetry import Telemetry, extract
-from cluster.tls import server_credentials
-from cluster.watchdog import Watchdog
+from cluster.worker_shell import WorkerShell, load_model_and_tokenizer
 from decode_worker.engine import Engine, RequestOutput
 from decode_worker.kv_intake import KVIntake
 
@@ -84,7 +80,9 @@ def speculation_stats(out: RequestOutput) -> api_pb2.SpeculationStats:
     )
 
 
-class DecodeWorker(worker_pb2_grpc.WorkerServicer):
+class DecodeWorker(WorkerShell[Engine]):
+    server_options = TCP_READ_OPTIONS
+
     def __init__(
         self,
         engine: Engine,
@@ -92,60 +90,26 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         groups: CollectiveGroups | None = None,
         telemetry: Telemetry | None = None,
-        interceptor: grpc.ServerInterceptor | None = None,
-        credentials: grpc.ServerCredentials | None = None,
+        auth: AuthConfig | None = None,
         wedged_after_s: float = 30.0,
     ) -> None:
-        self.engine = engine
-        self.watchdog = Watchdog(lambda: self.engine.has_unfinished, self._on_wedge, wedged_after_s)
-        self.credentials = credentials  # mutual TLS, when configured
-        self.interceptor = interceptor  # the cluster secret, when configured
-        self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
+        super().__init__(engine, worker_id, groups, telemetry, auth, wedged_after_s)
         self.intake = intake
-        self.worker_id = worker_id
-        self.groups = groups
-        self.server: Server | None = None
         self._streams: dict[str, queue.Queue[RequestOutput | None]] = {}
         self._early: dict[str, list[RequestOutput]] = {}  # outputs of transfers admitted before their Submit
         self._abandoned: set[str] = set()  # remote-prefill requests whose caller left before the KV arrived
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._draining = False
-        self._loop = threading.Thread(target=self._run, daemon=True, name=f"{worker_id}-engine")
 
-    # -- lifecycle ---------------------------------------------------------------------------------
+    # -- lifecycle: the shell's, with the KV transfer service and its intake -----------------------
 
-    def start(self, address: str = "127.0.0.1:0") -> str:
-        def add(server: grpc.Server) -> list[str]:
-            worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
-            server.add_generic_rpc_handlers((handlers(KVTransferService(self.intake, self.groups)),))
-            return ["tandem.v1.Worker", "tandem.v1.KVTransfer"]
+    def _add_services(self, server: grpc.Server) -> list[str]:
+        server.add_generic_rpc_handlers((handlers(KVTransferService(self.intake, self.groups)),))
+        return ["tandem.v1.KVTransfer"]
 
-        config = self.engine.scheduler.config
-        # A Submit holds its thread for the request's life: room for every sequence the worker may
-        # hold, plus transfers, loads and health checks, which must never queue behind them.
-        threads = config.max_num_seqs + config.max_waiting + 64
-        self.server = start_server(
-            add, address, extra_options=TCP_READ_OPTIONS, interceptors=[self.interceptor],
-            credentials=self.credentials, max_workers=threads,
-        )  # fmt: skip
-        self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
+    def _on_start(self) -> None:
         self.intake.start()
-        self._loop.start()
-        self.watchdog.start()
-        return self.server.address
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self.watchdog.stop()
+    def _before_server_stop(self) -> None:
         self.intake.close()
-        if self.server is not None:
-            self.server.stop(None)
-        if self.groups is not None:
-            self.groups.close()
-        self.telemetry.shutdown()
 
     # -- the Worker service ------------------------------------------------------------------------
 
@@ -199,26 +163,11 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             else:
                 self._cancel(rid, awaiting_kv=request.remote_prefill)
 
-    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
-        return worker_pb2.AbortResult(found=self._cancel(request.request_id))
-
-    def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
-        return self.load()
-
-    def Watch(
-        self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal)
-
-    def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
-        self._draining = True
-        if self.server is not None:
-            self.server.set_serving(False)
+    def remaining(self) -> int:
         s = self.engine.scheduler
         with self._lock:
             streams = len(self._streams)  # includes remote-prefill requests still waiting for their KV
-        remaining = max(len(s.running) + len(s.waiting), streams) + self.intake.in_flight
-        return worker_pb2.DrainResult(remaining_seqs=remaining)
+        return max(len(s.running) + len(s.waiting), streams) + self.intake.in_flight
 
     def load(self) -> worker_pb2.WorkerLoad:
         s = self.engine.scheduler
@@ -277,9 +226,8 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
             tandem__prefill_mode="remote" if remote else "local", **spec,
         )  # fmt: skip
 
-    def _on_wedge(self, wedged: bool) -> None:
-        if self.server is not None:
-            self.server.set_serving(not wedged and not self._draining)
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished
 
     def _cancel(self, rid: str, awaiting_kv: bool = True) -> bool:
         """Aborts `rid` wherever it is: running, waiting, or its KV still on the way."""
@@ -332,8 +280,7 @@ class DecodeWorker(worker_pb2_grpc.WorkerServicer):
 def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     """A decode worker for the config's model, cache, batching and transfer settings (not started)."""
     m = config.model
-    model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
-    tokenizer = Tokenizer(m.path)
+    model, tokenizer = load_model_and_tokenizer(m)
     spec = config.speculative
     proposer = build_proposer(spec, model, config.cache.block_size, m.seed, m.compile_buckets)
     engine = Engine(
@@ -350,7 +297,5 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     )  # fmt: skip
     groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
-    credentials = server_credentials(config.auth, internal=True)
-    secret = cluster_secret(config.auth)
     wedged = config.scheduler.wedged_after_s
-    return DecodeWorker(engine, intake, worker_id, groups, telemetry, secret, credentials, wedged)
+    return DecodeWorker(engine, intake, worker_id, groups, telemetry, config.auth, wedged)

@@ -1,4 +1,5 @@
-"""The prefill worker as a gRPC server: `tandem.v1.Worker` and health.
+"""The prefill worker as a gRPC server: `tandem.v1.Worker` and health, on the shell both workers
+share (`cluster.worker_shell`: the server's lifecycle, Abort, GetLoad, Watch, Drain).
 
 Lifecycle of a request here:
 
@@ -15,83 +16,50 @@ The engine is stepped by one thread; Submit and Abort reach it through the worke
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future
 
 import grpc
-from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import api_pb2, worker_pb2
 
-from cluster.auth import cluster_secret, secret_metadata
-from cluster.config import AuthConfig, ClusterConfig, TelemetryConfig, TransferConfig
+from cluster.auth import secret_metadata
+from cluster.config import AuthConfig, ClusterConfig, TransferConfig
 from cluster.engine.model_runner import num_kv_blocks
 from cluster.engine.structured import for_tokenizer
-from cluster.grpc_server import Server, admit_submit, start_server, watch_loads
+from cluster.grpc_server import admit_submit
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import CollectiveSender, GrpcSender
 from cluster.kv.transport import KVSender, TransferState
-from cluster.model.loader import load_model
-from cluster.model.tokenizer import Tokenizer
 from cluster.telemetry import Telemetry, extract
-from cluster.tls import channel_credentials, server_credentials
-from cluster.watchdog import Watchdog
+from cluster.tls import channel_credentials
+from cluster.worker_shell import WorkerShell, load_model_and_tokenizer
 from prefill_worker.engine import PrefillEngine, PrefillOutput
 
 
-class PrefillWorker(worker_pb2_grpc.WorkerServicer):
+class PrefillWorker(WorkerShell[PrefillEngine]):
+    groups: CollectiveGroups  # always: a collective transport's senders join their groups through it
+
     def __init__(
         self,
         engine: PrefillEngine,
         transfer: TransferConfig,
         worker_id: str,
-        device: str = "cpu",
+        groups: CollectiveGroups | None = None,  # on the CPU when not given
         telemetry: Telemetry | None = None,
         auth: AuthConfig | None = None,
         wedged_after_s: float = 30.0,
     ) -> None:
-        self.engine = engine
-        self.watchdog = Watchdog(lambda: self.engine.scheduler.has_work, self._on_wedge, wedged_after_s)
-        self.auth = auth or AuthConfig()
-        self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
+        if groups is None:
+            groups = CollectiveGroups("cpu", transfer.timeout_s, transfer.max_groups)
+        super().__init__(engine, worker_id, groups, telemetry, auth, wedged_after_s)
         self.transfer = transfer
-        self.worker_id = worker_id
-        self.groups = CollectiveGroups(device, transfer.timeout_s, transfer.max_groups)
-        self.server: Server | None = None
-        self._senders: dict[str, KVSender] = {}
+        self._senders: dict[str, KVSender] = {}  # under the shell's lock, with the engine and the waiters
         self._waiters: dict[str, Future[tuple[PrefillOutput, float, float]]] = {}  # (output, step start, end)
-        self._lock = threading.Lock()  # the engine, the senders and the waiters
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._draining = False
-        self._loop = threading.Thread(target=self._run, daemon=True, name=f"{worker_id}-engine")
 
-    def start(self, address: str = "127.0.0.1:0") -> str:
-        def add(server: grpc.Server) -> list[str]:
-            worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
-            return ["tandem.v1.Worker"]
-
-        config = self.engine.scheduler.config
-        self.server = start_server(
-            add, address, interceptors=[cluster_secret(self.auth)],
-            credentials=server_credentials(self.auth, internal=True),
-            max_workers=config.max_num_seqs + config.max_waiting + 64,  # a Submit holds a thread
-        )  # fmt: skip
-        self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
-        self._loop.start()
-        self.watchdog.start()
-        return self.server.address
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self.watchdog.stop()
-        if self.server is not None:
-            self.server.stop(None)
+    def _after_server_stop(self) -> None:
         for sender in self._senders.values():
             sender.close()  # type: ignore[attr-defined]
-        self.groups.close()
-        self.telemetry.shutdown()
 
     # -- the Worker service ------------------------------------------------------------------------
 
@@ -147,23 +115,9 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
             context.abort(code, f"KV transfer to {request.decode_target}: {message}")
         done = True
 
-    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
-        return worker_pb2.AbortResult(found=self._cancel(request.request_id))
-
-    def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
-        return self.load()
-
-    def Watch(
-        self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal)
-
-    def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
-        self._draining = True
-        if self.server is not None:
-            self.server.set_serving(False)
+    def remaining(self) -> int:
         stats = self.engine.stats()
-        return worker_pb2.DrainResult(remaining_seqs=stats.waiting + stats.prefilling + stats.leased)
+        return stats.waiting + stats.prefilling + stats.leased
 
     def load(self) -> worker_pb2.WorkerLoad:
         stats = self.engine.stats()
@@ -208,9 +162,8 @@ class PrefillWorker(worker_pb2_grpc.WorkerServicer):
         else:
             m.transfer_failures.labels(error.code.name).inc()
 
-    def _on_wedge(self, wedged: bool) -> None:
-        if self.server is not None:
-            self.server.set_serving(not wedged and not self._draining)
+    def _busy(self) -> bool:
+        return self.engine.scheduler.has_work
 
     def _sender(self, target: str) -> KVSender:
         sender = self._senders.get(target)
@@ -265,14 +218,15 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     m = config.model
     if config.transfer.transport == "local":
         raise ValueError('transfer.transport "local" needs prefill and decode in one process; use grpc or collective')
-    model = load_model(m.path, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
-    tokenizer = Tokenizer(m.path)
+    model, tokenizer = load_model_and_tokenizer(m)
     eos = tokenizer.eos_token_ids
     num_blocks = num_kv_blocks(model, config.cache)
     grammars = for_tokenizer(tokenizer, model.arch.vocab_size, eos)
     engine = PrefillEngine(
         model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars
     )
+    t = config.transfer
+    groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
     wedged = config.scheduler.wedged_after_s
-    return PrefillWorker(engine, config.transfer, worker_id, m.device, telemetry, config.auth, wedged)
+    return PrefillWorker(engine, t, worker_id, groups, telemetry, config.auth, wedged)

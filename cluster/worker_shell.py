@@ -1,0 +1,188 @@
+"""The shell both gRPC workers extend: the server's lifecycle, the `tandem.v1.Worker` RPCs that do not
+depend on the role (Abort, GetLoad, Watch, Drain), and the model load both workers' `from_config` share.
+
+Lifecycle of a worker:
+
+    __init__   the engine, the worker's id, its collective groups, telemetry, the cluster's auth (the
+               secret and TLS) and the wedged-engine canary; nothing runs yet
+    start      binds the gRPC server (`tandem.v1.Worker`, the role's other services, health and
+               reflection) behind the cluster secret and TLS, serves metrics, then runs `_on_start()`
+               (the role's background parts), the engine loop thread (`_run`) and the canary; returns
+               the bound address
+    Drain      from then on Submit answers UNAVAILABLE and health NOT_SERVING; it answers what remains
+    stop       ends the engine loop and every Watch stream, stops the canary, runs `_before_server_stop()`
+               (the decode worker's KV intake answers transfers in flight UNAVAILABLE), stops the server,
+               runs `_after_server_stop()` (the prefill worker's KV senders close), closes the collective
+               groups and flushes telemetry
+
+A role writes Submit and the rest of what differs: `load()` (its load snapshot), `remaining()` (what
+Drain reports), `_cancel` (what Abort does), `_busy()` (the canary's "holds work") and `_run`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+import grpc
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+from cluster.auth import cluster_secret
+from cluster.config import AuthConfig, ModelConfig, SchedulerConfig, TelemetryConfig
+from cluster.engine.kv_events import KVJournal
+from cluster.grpc_server import Server, start_server, watch_loads
+from cluster.kv.collective import CollectiveGroups
+from cluster.model.causal_lm import CausalLM
+from cluster.model.gguf import model_folder
+from cluster.model.loader import load_model
+from cluster.model.tokenizer import Tokenizer
+from cluster.telemetry import Telemetry
+from cluster.tls import server_credentials
+from cluster.watchdog import Watchdog
+
+
+class _Scheduler(Protocol):
+    @property
+    def config(self) -> SchedulerConfig: ...
+
+
+class WorkerEngine(Protocol):
+    """What the shell reads of a role's engine: its batching limits and its prefix cache's journal."""
+
+    @property
+    def scheduler(self) -> _Scheduler: ...
+
+    @property
+    def kv_journal(self) -> KVJournal: ...
+
+
+E = TypeVar("E", bound=WorkerEngine)
+
+
+class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
+    server_options: ClassVar[Sequence[tuple[str, int]]] = ()  # the role's extra gRPC channel arguments
+
+    def __init__(
+        self,
+        engine: E,
+        worker_id: str,
+        groups: CollectiveGroups | None = None,
+        telemetry: Telemetry | None = None,
+        auth: AuthConfig | None = None,
+        wedged_after_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.groups = groups
+        self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
+        self.auth = auth or AuthConfig()  # the cluster secret and mutual TLS, when configured
+        self.watchdog = Watchdog(self._busy, self._on_wedge, wedged_after_s)
+        self.server: Server | None = None
+        self._lock = threading.Lock()  # the role's request tables, and what its engine loop shares
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._draining = False
+        self._loop = threading.Thread(target=self._run, daemon=True, name=f"{worker_id}-engine")
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self, address: str = "127.0.0.1:0") -> str:
+        def add(server: grpc.Server) -> list[str]:
+            worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+            return ["tandem.v1.Worker", *self._add_services(server)]
+
+        config = self.engine.scheduler.config
+        # A Submit holds its thread for the request's life: room for every sequence the worker may
+        # hold, plus transfers, loads and health checks, which must never queue behind them.
+        threads = config.max_num_seqs + config.max_waiting + 64
+        self.server = start_server(
+            add, address, extra_options=self.server_options, interceptors=[cluster_secret(self.auth)],
+            credentials=server_credentials(self.auth, internal=True), max_workers=threads,
+        )  # fmt: skip
+        self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
+        self._on_start()
+        self._loop.start()
+        self.watchdog.start()
+        return self.server.address
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.watchdog.stop()
+        self._before_server_stop()
+        if self.server is not None:
+            self.server.stop(None)
+        self._after_server_stop()
+        if self.groups is not None:
+            self.groups.close()
+        self.telemetry.shutdown()
+
+    # -- the Worker RPCs both roles answer alike ---------------------------------------------------
+
+    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResult:
+        return worker_pb2.AbortResult(found=self._cancel(request.request_id))
+
+    def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
+        return self.load()
+
+    def Watch(
+        self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.WorkerUpdate]:
+        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal)
+
+    def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
+        self._draining = True
+        if self.server is not None:
+            self.server.set_serving(False)
+        return worker_pb2.DrainResult(remaining_seqs=self.remaining())
+
+    # -- what each role writes ---------------------------------------------------------------------
+
+    @abstractmethod
+    def load(self) -> worker_pb2.WorkerLoad:
+        """This worker's load snapshot (and its gauges set to it)."""
+
+    @abstractmethod
+    def remaining(self) -> int:
+        """The sequences and transfers still on this worker, as Drain reports them."""
+
+    @abstractmethod
+    def _cancel(self, rid: str) -> bool:
+        """Aborts `rid` wherever it is here; whether it was found."""
+
+    @abstractmethod
+    def _busy(self) -> bool:
+        """Whether the engine holds work (a wedge is work held without a step)."""
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The engine loop, until `_stop` is set; calls `watchdog.progress()` on each turn."""
+
+    def _add_services(self, server: grpc.Server) -> list[str]:
+        """Registers the role's services beside `tandem.v1.Worker`; returns their full names."""
+        return []
+
+    def _on_start(self) -> None:
+        """The role's background parts, started once the server is bound."""
+
+    def _before_server_stop(self) -> None:
+        """What the role ends while its RPCs can still answer."""
+
+    def _after_server_stop(self) -> None:
+        """What the role ends once the server has stopped."""
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _on_wedge(self, wedged: bool) -> None:
+        if self.server is not None:
+            self.server.set_serving(not wedged and not self._draining)
+
+
+def load_model_and_tokenizer(m: ModelConfig) -> tuple[CausalLM, Tokenizer]:
+    """The configured model and its tokenizer, as both workers load them. A `.gguf` file becomes its
+    imported folder here, once, and both read that folder."""
+    folder = model_folder(m.path)
+    model = load_model(folder, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
+    return model, Tokenizer(folder)
