@@ -86,7 +86,7 @@ async def workload(address: str, args: argparse.Namespace, vocab: int) -> dict[s
     import random
 
     from cluster.slo import RequestTiming
-    from router.client import AsyncClient
+    from router.sdk.client import AsyncClient
 
     rng = random.Random(0)
     timings: dict[str, list] = {"steady": [], "burst": []}
@@ -120,7 +120,7 @@ async def workload(address: str, args: argparse.Namespace, vocab: int) -> dict[s
 def measure(mode: str, folder: str, args: argparse.Namespace) -> dict:
     from cluster.config import dump_config
     from cluster.slo import Targets, goodput, percentile
-    from router.server import from_config
+    from router.service.server import from_config
 
     config = cluster_config(folder, mode == "colocated")
     layout = {"decode": "0,1"} if mode == "colocated" else {"prefill": "0", "decode": "1"}

@@ -11,7 +11,7 @@ once. Token ids throughout (no text), greedy, `ignore_eos`.
    workers over real gRPC; for each placement, fresh workers (empty caches) and a router. Per
    turn: TTFT p50 and p99, the prefix hit rate (prompt tokens the prefilling worker found cached),
    and KV bytes shipped (the prefill worker's transfers, measured).
-2. Fake workers (`router.fake_workers`, another process): 256 decode and 32 prefill workers, each
+2. Fake workers (`tests.fake_workers`, another process): 256 decode and 32 prefill workers, each
    with a prefix cache whose events it pushes and a prefill time per uncached token; the same
    comparison at that size, with the hit rate beside an ideal single worker with an infinite cache
    (each prompt's longest prefix sent before it), and KV tokens shipped (remote prefills' prompts).
@@ -142,7 +142,7 @@ def real_cluster(mode: str, w: Workload, seed: int, model: Path = DEMO, dtype: s
     from cluster.config import parse_config
     from decode_worker import service as decode_service
     from prefill_worker import service as prefill_service
-    from router.server import from_config
+    from router.service.server import from_config
 
     cfg = parse_config(
         {
@@ -183,15 +183,15 @@ def real_cluster(mode: str, w: Workload, seed: int, model: Path = DEMO, dtype: s
 def fake_cluster(mode: str, w: Workload, seed: int, decode: int, prefill: int) -> dict:
     from cluster.config import TelemetryConfig
     from cluster.telemetry import Telemetry
-    from router.fake_workers import VOCAB, FakeTokenizer
-    from router.pool import WorkerPool
-    from router.server import Router
-    from router.settings import RouterSettings
-    from router.validate import Limits
+    from router.placement.discovery import WorkerDiscovery
+    from router.service.server import Router
+    from router.service.settings import RouterSettings
+    from router.service.validate import Limits
+    from tests.fake_workers import VOCAB, FakeTokenizer
 
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
     fleet = subprocess.Popen(
-        [sys.executable, "-m", "router.fake_workers", "--workers", str(decode), "--prefill-workers", str(prefill),
+        [sys.executable, "-m", "tests.fake_workers", "--workers", str(decode), "--prefill-workers", str(prefill),
          "--step-s", "0.002", "--cache-blocks", "4096", "--prefill-s-per-token", "0.00005"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env, text=True,
     )  # fmt: skip
@@ -201,7 +201,9 @@ def fake_cluster(mode: str, w: Workload, seed: int, decode: int, prefill: int) -
         has_chat_template=False, dtype="none", max_queued_requests=4096, local_prefill_max_tokens=96,
         prefix_routing=mode,
     )  # fmt: skip
-    router = Router(settings, FakeTokenizer(), WorkerPool(lambda: addresses), Telemetry(TelemetryConfig(), "router"))
+    router = Router(
+        settings, FakeTokenizer(), WorkerDiscovery(lambda: addresses), Telemetry(TelemetryConfig(), "router")
+    )
     try:
         target = router.start()
         turns = asyncio.run(converse(target, Workload(**{**w.__dict__, "vocab": VOCAB}), seed))
@@ -234,7 +236,7 @@ def ideal_hit_rate(turns: list[Turn]) -> float:
 
 
 def index_at_scale(blocks: int, workers: int = 256) -> dict:
-    from router.prefix_index import PrefixIndex
+    from router.placement.prefix_index import PrefixIndex
 
     def rss() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -75,7 +75,7 @@ async def drive(address: str, arrivals: list[workload.Arrival], vocab: int, seed
     earlier run's prompts would find them in the prefix cache, which the simulation does not."""
     import random
 
-    from router.client import AsyncClient
+    from router.sdk.client import AsyncClient
 
     rng = random.Random(seed)
     timings: list[RequestTiming | None] = [None] * len(arrivals)
@@ -97,7 +97,7 @@ async def drive(address: str, arrivals: list[workload.Arrival], vocab: int, seed
 def measure(mode: str, folder: str, runs: list[tuple[workload.Workload, Targets]]) -> list[dict]:
     """Starts the layout once and drives every (workload at a rate) through it, in turn."""
     from cluster.config import dump_config
-    from router.server import from_config
+    from router.service.server import from_config
 
     config = config_for(folder, mode == "colocated")
     procs, addresses = disagg.launch(LAYOUTS[mode], dump_config(config))

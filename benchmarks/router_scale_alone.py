@@ -28,8 +28,8 @@ SCRIPT = Path(__file__).with_name("router_scale.py")  # a router process is the 
 def placement_cost(num_decode: int, calls: int) -> dict:
     import random
 
-    from router.index import LoadIndex
-    from router.placement import choose
+    from router.placement.index import LoadIndex
+    from router.placement.placement import choose
 
     rng = random.Random(num_decode)
     index, loads = LoadIndex(stale_after_s=1e9), {}
@@ -78,7 +78,7 @@ def placement_cost(num_decode: int, calls: int) -> dict:
 
 def start_fleet(workers: int, step_s: float) -> tuple[subprocess.Popen, dict[str, str]]:
     fleet = subprocess.Popen(
-        [PY, "-m", "router.fake_workers", "--workers", str(workers), "--step-s", str(step_s)],
+        [PY, "-m", "tests.fake_workers", "--workers", str(workers), "--step-s", str(step_s)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True,
     )  # fmt: skip
     return fleet, json.loads(fleet.stdout.readline())  # type: ignore[union-attr]
@@ -110,18 +110,20 @@ def serve_router(addresses: str) -> None:
     """This script as a router process over the fake workers; prints its address, stops on EOF."""
     from cluster.config import TelemetryConfig
     from cluster.telemetry import Telemetry
-    from router.fake_workers import VOCAB, FakeTokenizer
-    from router.pool import WorkerPool
-    from router.server import Router
-    from router.settings import RouterSettings
-    from router.validate import Limits
+    from router.placement.discovery import WorkerDiscovery
+    from router.service.server import Router
+    from router.service.settings import RouterSettings
+    from router.service.validate import Limits
+    from tests.fake_workers import VOCAB, FakeTokenizer
 
     found = json.loads(addresses)
     settings = RouterSettings(
         model_name="fake", architecture="fake", limits=Limits(4096, VOCAB), block_size=16, eos_token_ids=(),
         has_chat_template=False, dtype="none", max_queued_requests=2048,
     )  # fmt: skip
-    router = Router(settings, FakeTokenizer(), WorkerPool(lambda: found), Telemetry(TelemetryConfig(), "bench-router"))
+    router = Router(
+        settings, FakeTokenizer(), WorkerDiscovery(lambda: found), Telemetry(TelemetryConfig(), "bench-router")
+    )
     print(router.start("127.0.0.1:0"), flush=True)
     sys.stdin.read()
     router.stop()

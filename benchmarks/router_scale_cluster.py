@@ -93,7 +93,7 @@ def cluster_rows(num_prompts: int) -> dict:
     import ray
 
     from cluster.pools import ray_cluster
-    from router.server import from_config
+    from router.service.server import from_config
 
     long, short = bench_requests(num_prompts, 128, 64), bench_requests(16, 32, 16, seed=1)
     ray.init(num_cpus=2, include_dashboard=False, namespace="tandem-router-scale", log_to_driver=False)

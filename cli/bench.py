@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from cli.client_options import add_client_options
 from cluster.slo import RequestTiming, Targets, goodput, summarize
-from router.client import AsyncClient, TandemError
+from router.sdk.client import AsyncClient, TandemError
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _bench(args, args.target)
     from cluster.config import serve_config
     from cluster.pools import ray_cluster
-    from router.server import from_config
+    from router.service.server import from_config
 
     config = serve_config(args.config, args.model)
     cluster = ray_cluster.start(config)

@@ -14,7 +14,7 @@ from typing import Any
 
 from cli.client_options import add_client_options
 from cli.model import offline_generate
-from router.client import Client
+from router.sdk.client import Client
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

@@ -29,9 +29,9 @@ from cluster.lifeline import ClusterUnavailable, Lifeline
 
 if TYPE_CHECKING:
     from cluster.pools.ray_cluster import RayCluster
-    from router.http import HTTPServer
-    from router.replicas import Replicas
-    from router.server import Router
+    from router.openai.app import HTTPServer
+    from router.service.replicas import Replicas
+    from router.service.server import Router
 
 CONFIG_HELP = "cluster config (YAML or JSON; default: every default)"
 PORT_HELP = "router port (default: router.port in the config)"
@@ -75,8 +75,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.pools import ray_cluster
     from cluster.pools.ray_observe import ray_view
-    from router.replicas import Replicas
-    from router.server import from_config
+    from router.service.replicas import Replicas
+    from router.service.server import from_config
 
     config = serve_config(args.config, args.model)
     port = args.port if args.port is not None else config.router.port
@@ -143,7 +143,7 @@ def _control(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     """A stateless router: it attaches to the cluster's actors, and leaves them running when it stops."""
     from cluster.pools import ray_cluster
-    from router.server import from_config
+    from router.service.server import from_config
 
     config = serve_config(args.config)
     port = args.port if args.port is not None else config.router.port
@@ -252,7 +252,7 @@ def _start_http(config: ClusterConfig, router: Router, address: str) -> HTTPServ
     if config.router.http_port is None:
         return None
     from cluster.tls import channel_credentials
-    from router.http import HTTPServer, create_app
+    from router.openai.app import HTTPServer, create_app
 
     creds = channel_credentials(config.auth) if config.auth.tls_cert else None
     app = create_app(address, config.model.served_name, router.telemetry.metrics.registry, creds)

@@ -9,5 +9,5 @@ profile's costs in place of a model; `workers` are its simulated workers; `routi
 rule indexed for thousands of workers; `scaling` runs the real autoscaling policy on the simulated
 pools; `report` turns the simulated requests into TTFT / TPOT / ITL / E2E, goodput and pool use.
 `search` ranks layouts for `tandem plan`; `cli` adds `tandem profile` and `tandem plan`. Imports
-`cluster`, the workers' schedulers and `router.placement`; nothing in the cluster imports it.
+`cluster`, the workers' schedulers and `router.placement.placement`; nothing in the cluster imports it.
 """

@@ -208,7 +208,7 @@ def _transfer(arch, dtype_bytes: int, per_token: int, quick: bool, bar: tqdm) ->
 def _router(grpc_call_s: float, bar: tqdm) -> LinearCost:
     from tandem.v1 import api_pb2, worker_pb2
 
-    from router import placement
+    from router.placement import placement
 
     loads = {
         "decode-0": worker_pb2.WorkerLoad(role="decode", free_kv_blocks=500, total_kv_blocks=1000),

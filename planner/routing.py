@@ -1,6 +1,6 @@
-"""`router.placement`'s rule, indexed so that choosing among thousands of workers stays cheap.
+"""`router.placement.placement`'s rule, indexed so that choosing among thousands of workers stays cheap.
 
-`router.placement.choose` rebuilds the consistent-hash ring and scans every worker on each call:
+`router.placement.placement.choose` rebuilds the consistent-hash ring and scans every worker on each call:
 right for a router of tens of workers, O(workers log workers) per request for a simulated cluster
 of a thousand. `Placer` keeps the ring of the live prefill workers until the pool changes and
 gives the real `placement.choose_decode` the loads of the decode candidates only: all of them up
@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 
 from tandem.v1 import worker_pb2
 
-from router import placement
-from router.placement import Choice
+from router.placement import placement
+from router.placement.placement import Choice
 
 
-def _hash(data: bytes) -> int:  # as router.placement hashes the ring
+def _hash(data: bytes) -> int:  # as router.placement.placement hashes the ring
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 

@@ -29,7 +29,7 @@ from planner.report import Recorder, SimResult
 from planner.routing import Placer
 from planner.workers import DecodeWorker, PrefillWorker
 from planner.workload import Arrival, Workload, arrivals
-from router.placement import NoCapacity
+from router.placement.placement import NoCapacity
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "proto")]
 
 from cluster.config import parse_config  # noqa: E402
-from router.server import from_config  # noqa: E402
+from router.service.server import from_config  # noqa: E402
 
 if __name__ == "__main__":
     config, workers, address = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]

@@ -19,8 +19,8 @@ from cluster.kv.transport import TransferState
 from cluster.kv.wire import KVHeader, make_chunk
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
-from router import server as router_server
-from router.client import Client, Unauthenticated
+from router.sdk.client import Client, Unauthenticated
+from router.service import server as router_server
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
 KEY, SECRET = "Key-123", "cluster-s3cret"

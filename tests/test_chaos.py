@@ -24,8 +24,8 @@ from cluster.model.loader import load_model
 from cluster.model.tokenizer import Tokenizer
 from cluster.pools import ray_cluster
 from decode_worker.engine import Engine
-from router.client import Client
-from router.server import from_config
+from router.sdk.client import Client
+from router.service.server import from_config
 from tests.test_structured import CONSTRAINTS, check
 from tests.test_structured_cluster import KINDS, PROMPTS, TYPED
 

@@ -113,10 +113,10 @@ def test_chat_prompt_ids_equal_transformers(tmp_path, name):
 
 
 def test_the_router_tokenises_chats_through_the_same_path(tmp_path):
-    """router/validate.py turns a chat request into exactly `encode_chat`'s ids."""
+    """router/service/validate.py turns a chat request into exactly `encode_chat`'s ids."""
     from tandem.v1 import api_pb2
 
-    from router.validate import Limits, validate
+    from router.service.validate import Limits, validate
 
     folder = write_folder(tmp_path / "chatml", "chatml")
     tok = Tokenizer(folder)

@@ -27,8 +27,8 @@ from cluster.model.loader import load_model
 from cluster.model.tokenizer import Tokenizer
 from cluster.pools import ray_cluster
 from decode_worker.engine import Engine
-from router.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument
-from router.server import from_config
+from router.sdk.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument
+from router.service.server import from_config
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def test_status_shows_the_pools_while_requests_run(grpc_cluster, capsys):
 def test_sdk_imports_without_torch_or_ray():
     code = (
         "import sys\n"
-        "import router.client as c\n"
+        "import router.sdk.client as c\n"
         "assert c.Client and c.AsyncClient\n"
         "heavy = sorted(m for m in ('torch', 'ray', 'numpy', 'cluster') if m in sys.modules)\n"
         "assert not heavy, heavy\n"

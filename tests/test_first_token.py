@@ -19,8 +19,8 @@ from cluster.config import parse_config
 from cluster.kv.wire import TransferError
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
-from router.client import Client
-from router.server import from_config
+from router.sdk.client import Client
+from router.service.server import from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"

@@ -12,9 +12,9 @@ from tandem.v1 import worker_pb2
 
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.kv_events import KVJournal, block_hashes
-from router.index import LoadIndex
-from router.placement import choose
-from router.prefix_index import PrefixIndex
+from router.placement.index import LoadIndex
+from router.placement.placement import choose
+from router.placement.prefix_index import PrefixIndex
 
 BS = 4
 

@@ -20,10 +20,10 @@ from cluster.config import parse_config
 from cluster.model.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
-from router import server as router_server
-from router.client import Client
-from router.http import HTTPServer, create_app
-from router.openai_fields import REFUSED, TABLES, rows
+from router.openai.app import HTTPServer, create_app
+from router.openai.fields import REFUSED, TABLES, rows
+from router.sdk.client import Client
+from router.service import server as router_server
 from tests.test_openai_fields import ROWS, base_body, body_with, example
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from router.openai_fields import HONOURED, IGNORED, REFUSED, TABLES, FieldError, rows
-from router.openai_request import chat_plan, completion_plan
+from router.openai.fields import HONOURED, IGNORED, REFUSED, TABLES, FieldError, rows
+from router.openai.request import chat_plan, completion_plan
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "openai.md"
 MODEL = "tandem-demo-code"

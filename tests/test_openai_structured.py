@@ -15,9 +15,9 @@ import pytest
 from cluster.config import parse_config
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
-from router import server as router_server
-from router.client import Client, JsonObject
-from router.http import HTTPServer, create_app
+from router.openai.app import HTTPServer, create_app
+from router.sdk.client import Client, JsonObject
+from router.service import server as router_server
 from tests.smollm2 import real
 
 pytestmark = real

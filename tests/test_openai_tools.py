@@ -14,9 +14,9 @@ from cluster.engine.request import Constraint
 from cluster.engine.structured import Grammars
 from cluster.model.chat_tools import tools_prompt
 from cluster.model.tokenizer import Tokenizer
-from router.openai_fields import FieldError
-from router.openai_request import chat_plan
-from router.openai_tools import ToolStream, calls_grammar, parse
+from router.openai.fields import FieldError
+from router.openai.request import chat_plan
+from router.openai.tools import ToolStream, calls_grammar, parse
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -17,7 +17,7 @@ from planner.profile import DecodeCost, LinearCost, PrefillCost, Profile, StepCo
 from planner.routing import Placer, Ring
 from planner.sim import Layout, Simulator, simulate
 from planner.workload import load, parse
-from router import placement
+from router.placement import placement
 
 
 def profile(prefill: PrefillCost, decode: DecodeCost, transfer: float = 0.0, router: float = 0.0) -> Profile:

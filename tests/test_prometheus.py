@@ -27,8 +27,8 @@ from cluster.config import parse_config
 from cluster.pools import ray_cluster
 from cluster.pools.ray_observe import ray_view
 from cluster.telemetry import PREFILL_MODES, REQUEST_STATUSES
-from router.client import Client, InvalidArgument
-from router.server import from_config
+from router.sdk.client import Client, InvalidArgument
+from router.service.server import from_config
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

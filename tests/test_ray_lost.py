@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from cluster.lifeline import ClusterUnavailable, Lifeline
-from router.client import Client, Unavailable
-from router.fake_workers import FakeFleet
+from router.sdk.client import Client, Unavailable
+from tests.fake_workers import FakeFleet
 from tests.net import free_port
 from tests.test_router_async import make_router
 
@@ -56,7 +56,7 @@ def test_lifeline_is_lost_once_after_the_probe_fails_without_a_break():
 
 
 class GonePools:
-    """`router.settings.PoolAdmin` whose actors Ray cannot reach."""
+    """`router.service.settings.PoolAdmin` whose actors Ray cannot reach."""
 
     def _gone(self, *args: object) -> None:
         raise ClusterUnavailable("the cluster's pool-decode actor cannot be reached (RayActorError)")

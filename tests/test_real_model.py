@@ -109,8 +109,8 @@ def served(smollm2):
     """Router, a prefill and a decode worker on real gRPC servers, and the OpenAI HTTP face."""
     from decode_worker import service as decode_service
     from prefill_worker import service as prefill_service
-    from router import server as router_server
-    from router.http import HTTPServer, create_app
+    from router.openai.app import HTTPServer, create_app
+    from router.service import server as router_server
 
     tok = Tokenizer(smollm2)
     lengths = sorted(len(tok.encode_chat(chat(text))) for text in CHATS)

@@ -22,7 +22,7 @@ from cluster.model.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from decode_worker.engine import Engine
 from prefill_worker import service as prefill_service
-from router import server as router_server
+from router.service import server as router_server
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
 
@@ -238,7 +238,7 @@ def test_malformed_bytes_are_invalid_argument_and_oversize_is_refused(fuzz_targe
 def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from router.placement import NoCapacity
+    from router.placement.placement import NoCapacity
 
     address, router, decode, stop = start_cluster(
         scheduler={"wedged_after_s": 0.5}, router={"local_prefill_max_tokens": 100}

@@ -14,11 +14,11 @@ from tandem.v1 import api_pb2, api_pb2_grpc
 
 from cluster.config import TelemetryConfig
 from cluster.telemetry import Telemetry
-from router.fake_workers import VOCAB, FakeFleet, FakeTokenizer, fake_token
-from router.pool import WorkerPool
-from router.server import Router
-from router.settings import RouterSettings
-from router.validate import Limits
+from router.placement.discovery import WorkerDiscovery
+from router.service.server import Router
+from router.service.settings import RouterSettings
+from router.service.validate import Limits
+from tests.fake_workers import VOCAB, FakeFleet, FakeTokenizer, fake_token
 
 
 def make_router(fleet: FakeFleet, max_queued: int = 2048) -> Router:
@@ -26,7 +26,9 @@ def make_router(fleet: FakeFleet, max_queued: int = 2048) -> Router:
         model_name="fake", architecture="fake", limits=Limits(4096, VOCAB), block_size=16, eos_token_ids=(),
         has_chat_template=False, dtype="none", max_queued_requests=max_queued,
     )  # fmt: skip
-    return Router(settings, FakeTokenizer(), WorkerPool(fleet.addresses), Telemetry(TelemetryConfig(), "test-router"))
+    return Router(
+        settings, FakeTokenizer(), WorkerDiscovery(fleet.addresses), Telemetry(TelemetryConfig(), "test-router")
+    )
 
 
 @pytest.fixture

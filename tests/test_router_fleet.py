@@ -18,10 +18,10 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cli.main import main as cli
 from cluster.config import parse_config
 from cluster.pools.registry import REPORT_TTL_S, Registry, fleet_latency
-from router.client import Client
-from router.fake_workers import FakeFleet
-from router.fleet import fleet, totals
-from router.replicas import ReplicaFailed, Replicas, command, replica_config
+from router.sdk.client import Client
+from router.service.fleet import fleet, totals
+from router.service.replicas import ReplicaFailed, Replicas, command, replica_config
+from tests.fake_workers import FakeFleet
 from tests.test_router_async import make_router
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ class Clock:
 
 
 class LocalRegistry:
-    """`router.fleet.RouterRegistry` over a `Registry` in this process (as `RayCluster` is over
+    """`router.service.fleet.RouterRegistry` over a `Registry` in this process (as `RayCluster` is over
     the `controller` actor); the routers' threads call it, hence the lock."""
 
     def __init__(self, clock: Clock) -> None:

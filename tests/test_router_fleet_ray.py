@@ -20,9 +20,9 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from cluster.config import dump_config, parse_config
 from cluster.pools import ray_cluster
 from cluster.pools.registry import REPORT_TTL_S
-from router.client import Client
-from router.replicas import command
-from router.server import from_config
+from router.sdk.client import Client
+from router.service.replicas import command
+from router.service.server import from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"

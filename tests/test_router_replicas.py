@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from router.client import AsyncClient, Client
-from router.fake_workers import FakeFleet
+from router.sdk.client import AsyncClient, Client
+from tests.fake_workers import FakeFleet
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -26,7 +26,7 @@ def start_router(addresses: dict[str, str], address: str, config: dict | None = 
     """A router process over `addresses`: over fake workers, or from `config` over real ones."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
     if config is None:
-        args = ["-m", "router.fake_workers", "--router-over", json.dumps(addresses), "--address", address]
+        args = ["-m", "tests.fake_workers", "--router-over", json.dumps(addresses), "--address", address]
     else:
         args = [str(ROOT / "tests" / "router_process.py"), json.dumps(config), json.dumps(addresses), address]
     process = subprocess.Popen(

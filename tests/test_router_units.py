@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tandem.v1 import api_pb2, worker_pb2
 
-from router.placement import NoCapacity, choose, choose_decode, ring_owner
-from router.pool import WorkerPool
-from router.validate import InvalidRequest, Limits, validate
+from router.placement.discovery import WorkerDiscovery
+from router.placement.placement import NoCapacity, choose, choose_decode, ring_owner
+from router.service.validate import InvalidRequest, Limits, validate
 
 LIMITS = Limits(context_length=100, vocab_size=500, max_stop_strings=2)
 
@@ -113,7 +113,7 @@ def test_pool_rediscovers_on_demand_between_refreshes(boot_s):
     a machine booted `boot_s` ago (monotonic time below `refresh_s`) refreshes on first use too."""
     now = [boot_s]
     found = {"decode-0": "127.0.0.1:1"}
-    pool = WorkerPool(lambda: dict(found), refresh_s=3600, clock=lambda: now[0])
+    pool = WorkerDiscovery(lambda: dict(found), refresh_s=3600, clock=lambda: now[0])
     try:
         assert set(pool.workers()) == {"decode-0"}, "the first use discovers, whatever the clock reads"
         found["decode-1"] = "127.0.0.1:2"

@@ -9,11 +9,11 @@ import time
 import pytest
 from tandem.v1 import worker_pb2
 
-from router.fake_workers import FakeFleet
-from router.index import LoadIndex
-from router.placement import NoCapacity, NoneInView, choose
-from router.pool import WorkerPool
-from router.view import WorkerView
+from router.placement.discovery import WorkerDiscovery
+from router.placement.index import LoadIndex
+from router.placement.placement import NoCapacity, NoneInView, choose
+from router.placement.view import WorkerView
+from tests.fake_workers import FakeFleet
 
 
 def random_load(rng: random.Random, role: str) -> worker_pb2.WorkerLoad:
@@ -125,7 +125,7 @@ def wait_for(predicate, timeout_s: float = 5.0) -> float:
 def test_watch_driven_placement_follows_joins_breaks_and_drains(fleet):
     busy = fleet.add("decode-0")
     fleet.on_loop(busy.set_running, 5)
-    pool = WorkerPool(fleet.addresses, refresh_s=3600)
+    pool = WorkerDiscovery(fleet.addresses, refresh_s=3600)
     view = WorkerView(pool, heartbeat_s=0.1, stale_after_s=0.5, retry_s=0.05)
     view.start()
     try:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.client import Client, Unavailable
+from router.sdk.client import Client, Unavailable
 from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from cluster.model.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from decode_worker.engine import Engine
 from prefill_worker import service as prefill_service
-from router import server as router_server
-from router.client import Client, InvalidArgument
+from router.sdk.client import Client, InvalidArgument
+from router.service import server as router_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"

@@ -26,7 +26,7 @@ from cluster.model.tokenizer import Tokenizer
 from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 from prefill_worker.engine import PrefillEngine
-from router.validate import InvalidRequest, Limits, validate
+from router.service.validate import InvalidRequest, Limits, validate
 from tests.conftest import drive
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from cluster.model.tokenizer import Tokenizer
 from decode_worker import service as decode_service
 from decode_worker.engine import Engine
 from prefill_worker import service as prefill_service
-from router import server as router_server
-from router.client import Choice, Client, Grammar, InvalidArgument, JsonObject, JsonSchema, Regex
+from router.sdk.client import Choice, Client, Grammar, InvalidArgument, JsonObject, JsonSchema, Regex
+from router.service import server as router_server
 from tests.test_structured import CHOICES, CONSTRAINTS, DEMO, DRAFT, LARK, REGEX, SCHEMA, check
 
 LOCAL_MAX = 8  # prompts up to this many tokens are prefilled on the decode worker

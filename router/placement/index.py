@@ -13,7 +13,7 @@ Lifecycle of a worker here:
 Decode workers are kept sorted by (running + waiting, -free blocks, name) and prefill workers by
 (queued prompt tokens, name), each updated by one bisection when a snapshot arrives; the prefill
 ring is rebuilt only when the set of placeable prefill workers changes. `choose` makes the same
-choices as `router.placement.choose` over the same loads (a test holds it to that).
+choices as `router.placement.placement.choose` over the same loads (a test holds it to that).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from tandem.v1 import worker_pb2
 
 from cluster.engine.kv_events import block_hashes
-from router.placement import Choice, NoCapacity, NoneInView, Ring, best_holder, cheapest_decode
-from router.prefix_index import PrefixIndex
+from router.placement.placement import Choice, NoCapacity, NoneInView, Ring, best_holder, cheapest_decode
+from router.placement.prefix_index import PrefixIndex
 
 
 class LoadIndex:

@@ -1,5 +1,5 @@
 """The workers the router can reach: discovered by name, refreshed every `refresh_s` or on demand.
-Their channels and loads live in `router.view` (one channel and one Watch stream per worker)."""
+Their channels and loads live in `router.placement.view` (one channel and one Watch stream per worker)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class Worker:
     address: str
 
 
-class WorkerPool:
+class WorkerDiscovery:
     """The workers the router can reach, refreshed from `discover()` (name -> "host:port"), with
     what every call to them carries: the cluster secret's metadata and the channel credentials."""
 

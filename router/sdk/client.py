@@ -3,7 +3,7 @@
 Imports grpcio, protobuf and the generated `tandem.v1` stubs only (no torch, no Ray), so any
 Python program can use it:
 
-    from router.client import Client
+    from router.sdk.client import Client
 
     with Client("127.0.0.1:50051") as client:
         print(client.generate("def fibonacci(n):", max_tokens=32, temperature=0).text)
@@ -29,8 +29,8 @@ from typing import Any
 import grpc
 from tandem.v1 import api_pb2, api_pb2_grpc
 
-from router import constraints
-from router.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
+from router.sdk import constraints
+from router.sdk.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
 
 __all__ = [
     "AsyncClient",

@@ -1,6 +1,11 @@
-"""The pieces of relaying one request: parsing what arrives, carrying trace context to workers,
-watching the prefill call beside the decode stream, deciding what a failure means, the client's
-messages across migrations, and the request's latency accounting."""
+"""One request's stream to its client, as `router.service.dispatch` relays it across attempts.
+
+`Stream` is the request's state: what the client has been sent, and the bytes the router appends
+to each worker message (request id, prompt length, usage, SLO). Beside it: what a worker's failure
+means (`Broken`, `MIGRATABLE`) and what is left to generate after one (`rest_of`); the prefill
+worker's first token sent ahead of the decode worker's (`watch_prefill`, `early_first_token`,
+`after_early_token`); the request's bytes parsed (`parse`), its trace context for the workers
+(`trace_metadata`), and its latency and SLO accounting once it ends (`account`)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from tandem.v1 import api_pb2, worker_pb2
 from cluster.engine.request import SamplingParams
 from cluster.slo import RequestTiming, SLOWindow, Targets
 from cluster.telemetry import Telemetry, inject
-from router.placement import Choice
+from router.placement.placement import Choice
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from tandem.v1 import worker_pb2
 from cluster.config import ClusterConfig, SLOConfig
 from cluster.model.arch import ModelArch
 from cluster.model.tokenizer import Tokenizer
-from router.validate import Limits
+from router.service.validate import Limits
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ each change (at most one per `min_interval_seconds`) and a heartbeat otherwise. 
 worker answers `Submit` with the first token after one step and ends after another (its KV
 transfer); a fake decode worker with `remote_prefill` streams from that first token on.
 
-    python -m router.fake_workers --workers 256 --step-s 0.001     # prints {"name": "host:port"}
-    python -m router.fake_workers --router-over '{"decode-0": ...}' [--address 127.0.0.1:PORT]
+    python -m tests.fake_workers --workers 256 --step-s 0.001     # prints {"name": "host:port"}
+    python -m tests.fake_workers --router-over '{"decode-0": ...}' [--address 127.0.0.1:PORT]
 """
 
 from __future__ import annotations
@@ -322,16 +322,18 @@ def serve_router(addresses: dict[str, str], address: str, max_queued_requests: i
     """A router process over fake workers: prints its address, serves until stdin closes."""
     from cluster.config import TelemetryConfig
     from cluster.telemetry import Telemetry
-    from router.pool import WorkerPool
-    from router.server import Router
-    from router.settings import RouterSettings
-    from router.validate import Limits
+    from router.placement.discovery import WorkerDiscovery
+    from router.service.server import Router
+    from router.service.settings import RouterSettings
+    from router.service.validate import Limits
 
     settings = RouterSettings(
         model_name="fake", architecture="fake", limits=Limits(4096, VOCAB), block_size=16, eos_token_ids=(),
         has_chat_template=False, dtype="none", max_queued_requests=max_queued_requests,
     )  # fmt: skip
-    router = Router(settings, FakeTokenizer(), WorkerPool(lambda: addresses), Telemetry(TelemetryConfig(), "router"))
+    router = Router(
+        settings, FakeTokenizer(), WorkerDiscovery(lambda: addresses), Telemetry(TelemetryConfig(), "router")
+    )
     print(router.start(address), flush=True)
     sys.stdin.read()
     router.stop()

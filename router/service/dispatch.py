@@ -29,8 +29,10 @@ from cluster.auth import mint_capability
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.telemetry import Telemetry
-from router.placement import Choice, NoCapacity, NoneInView
-from router.relay import (
+from router.placement.placement import Choice, NoCapacity, NoneInView
+from router.placement.view import WorkerView
+from router.service.settings import RouterSettings
+from router.service.stream import (
     Broken,
     Stream,
     after_early_token,
@@ -40,9 +42,7 @@ from router.relay import (
     trace_metadata,
     watch_prefill,
 )  # fmt: skip
-from router.settings import RouterSettings
-from router.validate import PromptTokenizer
-from router.view import WorkerView
+from router.service.validate import PromptTokenizer
 
 SUBMIT = "/tandem.v1.Worker/Submit"
 # The end of a request whose worker broke after streaming its last token (its max_tokens).

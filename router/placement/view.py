@@ -35,9 +35,9 @@ import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from cluster.grpc_server import message_options
-from router.index import LoadIndex
-from router.pool import WorkerPool
-from router.prefix_index import PrefixIndex
+from router.placement.discovery import WorkerDiscovery
+from router.placement.index import LoadIndex
+from router.placement.prefix_index import PrefixIndex
 
 
 class LoopThread:
@@ -68,7 +68,7 @@ class _Member:
 class WorkerView:
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: WorkerDiscovery,
         heartbeat_s: float = 0.5,
         stale_after_s: float = 2.0,
         min_interval_s: float = 0.01,

@@ -1,6 +1,6 @@
 """An OpenAI request body as a `tandem.v1.GenerateRequest` and the shape of its reply (`Plan`).
 
-The body is first checked against its endpoint's field table (`router.openai_fields`); every
+The body is first checked against its endpoint's field table (`router.openai.fields`); every
 honoured field is then read here. Raises `FieldError` naming the field. Pure: no gRPC calls.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 from tandem.v1 import api_pb2
 
 from cluster.engine.request import EARLY_STOPPING
-from router.openai_fields import CHAT, COMPLETIONS, FieldError, check
-from router.openai_tools import Tools, structured, tools
+from router.openai.fields import CHAT, COMPLETIONS, FieldError, check
+from router.openai.tools import Tools, structured, tools
 
 SAMPLING = {  # body field -> tandem.v1.SamplingParams field (stop_token_ids is a list)
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",

@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 from tandem.v1 import api_pb2
 
-from router.openai_request import Plan
-from router.openai_tools import ToolStream, parse
+from router.openai.request import Plan
+from router.openai.tools import ToolStream, parse
 
 FINISH = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
 _OMIT = object()

@@ -22,7 +22,7 @@ from typing import Any
 from tandem.v1 import api_pb2
 
 from cluster.model.chat_tools import CLOSE, OPEN
-from router.openai_fields import FieldError
+from router.openai.fields import FieldError
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")

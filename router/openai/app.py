@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import api_pb2_grpc
 
-from router.openai_fields import FieldError
-from router.openai_request import Plan, chat_plan, completion_plan
-from router.openai_response import Reply, collect, stream
+from router.openai.fields import FieldError
+from router.openai.request import Plan, chat_plan, completion_plan
+from router.openai.response import Reply, collect, stream
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

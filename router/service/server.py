@@ -8,12 +8,12 @@ Lifecycle of a request:
 
     Generate      validate and tokenise (INVALID_ARGUMENT naming the field); take an admission
                   slot (RESOURCE_EXHAUSTED when `max_queued_requests` are in flight)
-    place         from the loads the workers push (`router.view`; no RPC per request), choose a
-                  decode worker and a prefill worker or local prefill (`router.index`); the
+    place         from the loads the workers push (`router.placement.view`; no RPC per request), choose a
+                  decode worker and a prefill worker or local prefill (`router.placement.index`); the
                   choice goes out as response metadata (`tandem-prefill`, `tandem-decode`) and
                   is counted in `Admin.GetStatus`
     relay         the decode worker's messages are the response stream, relayed as they came with
-                  what the router adds appended (`router.dispatch`); the prefill call runs beside
+                  what the router adds appended (`router.service.dispatch`); the prefill call runs beside
                   it and its failure fails the request with its code
     end           client cancellation or deadline cancels both worker calls, which abort the
                   request and free its KV on each worker
@@ -22,7 +22,7 @@ When the Ray cluster is lost (`lose_cluster`, from `cluster.lifeline.Lifeline`),
 NOT_SERVING and every call gets UNAVAILABLE with the reason; a call to the pool controllers
 that Ray cannot make (`cluster.lifeline.ClusterUnavailable`) is UNAVAILABLE with its message.
 
-A router started with `start` may `join` the cluster's registry (`router.fleet`): then it reports
+A router started with `start` may `join` the cluster's registry (`router.service.fleet`): then it reports
 its counters there and its `Admin.GetStatus` shows every live router, with the in-flight requests
 and placement decisions summed over them; `stop` leaves.
 """
@@ -48,15 +48,15 @@ from cluster.model.tokenizer import Tokenizer
 from cluster.slo import SLOWindow, Targets
 from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
-from router.aio_server import AioServer, start_aio_server
-from router.dispatch import Abort, Dispatcher
-from router.fleet import Fleet, RouterRegistry, advertised, router_name, totals
-from router.pool import WorkerPool
-from router.prefix_index import PrefixIndex
-from router.relay import Malformed, Stream, account, parse
-from router.settings import PoolAdmin, RouterSettings, settings_from_config
-from router.validate import InvalidRequest, PromptTokenizer, validate
-from router.view import LoopThread, WorkerView
+from router.placement.discovery import WorkerDiscovery
+from router.placement.prefix_index import PrefixIndex
+from router.placement.view import LoopThread, WorkerView
+from router.service.aio_server import AioServer, start_aio_server
+from router.service.dispatch import Abort, Dispatcher
+from router.service.fleet import Fleet, RouterRegistry, advertised, router_name, totals
+from router.service.settings import PoolAdmin, RouterSettings, settings_from_config
+from router.service.stream import Malformed, Stream, account, parse
+from router.service.validate import InvalidRequest, PromptTokenizer, validate
 
 
 class Router(worker_pb2_grpc.AdminServicer):
@@ -64,7 +64,7 @@ class Router(worker_pb2_grpc.AdminServicer):
         self,
         settings: RouterSettings,
         tokenizer: PromptTokenizer,
-        pool: WorkerPool,
+        pool: WorkerDiscovery,
         telemetry: Telemetry,
         pools: PoolAdmin | None = None,
         interceptor: RequireKey | None = None,
@@ -343,7 +343,7 @@ def from_config(
     tokenizer = Tokenizer(config.model.path)
     settings = settings_from_config(config, ModelArch.from_folder(model_folder(config.model.path)), tokenizer)
     auth = config.auth
-    pool = WorkerPool(discover, metadata=secret_metadata(auth), credentials=channel_credentials(auth))
+    pool = WorkerDiscovery(discover, metadata=secret_metadata(auth), credentials=channel_credentials(auth))
     telemetry = Telemetry(config.telemetry, "tandem-router")
     credentials = server_credentials(auth, internal=False)
     return Router(settings, tokenizer, pool, telemetry, pools, client_keys(auth), credentials)

@@ -1,6 +1,6 @@
 """Which workers serve a request: pure functions of the prompt and the workers' reported loads
 (`choose`), and the same choices from an index that the workers' pushed loads keep up to date
-(`router.index.LoadIndex`).
+(`router.placement.index.LoadIndex`).
 
 - Prefill locally (on the decode worker) when the prompt is at most `local_prefill_max_tokens`:
   no transfer is cheaper than any transfer.
@@ -13,7 +13,7 @@
   than `queue_slack_tokens`; then the one with the fewest queued prompt tokens.
 
 With `matches` (KV-aware routing: per worker, the prompt's leading blocks its cache holds, from
-the workers' own cache events, `router.prefix_index`), what is cached is known instead of guessed:
+the workers' own cache events, `router.placement.prefix_index`), what is cached is known instead of guessed:
 
 - Decode worker: the cheapest of the lightest one and every decode worker holding part of the
   prompt, by `decode_cost` (in the spirit of Dynamo's router: the blocks left to prefill, times
