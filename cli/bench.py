@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from cli.client_options import add_client_options
 from cluster.slo import RequestTiming, Targets, goodput, summarize
-from router.sdk.client import AsyncClient, TandemError
+from router.sdk.client import AsyncClient
+from router.sdk.errors import TandemError
 
 
 @dataclass(frozen=True)

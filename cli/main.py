@@ -23,7 +23,7 @@ from cli import admin, bench, certs, dashboards, generate, model, plan, serve
 from cluster.config import ConfigError
 from cluster.lifeline import ClusterUnavailable
 from cluster.model.arch import ModelFormatError
-from router.sdk.client import TandemError
+from router.sdk.errors import TandemError
 from router.service.replicas import ReplicaFailed
 
 COMMANDS = (serve, generate, bench, admin, certs, dashboards, model, plan)  # in the order --help lists them

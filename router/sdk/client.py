@@ -31,6 +31,16 @@ from tandem.v1 import api_pb2, api_pb2_grpc
 
 from router.sdk import constraints
 from router.sdk.constraints import Choice, Grammar, JsonObject, JsonSchema, Regex
+from router.sdk.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    TandemError,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
+from router.sdk.resume import Received, retryable
 
 __all__ = [
     "AsyncClient",
@@ -50,43 +60,6 @@ __all__ = [
     "Unavailable",
 ]
 
-
-class TandemError(Exception):
-    """A failed call; `code` is the gRPC status code and `details` the server's message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class InvalidArgument(TandemError):
-    """The request was refused as invalid; the message names the field."""
-
-
-class ResourceExhausted(TandemError):
-    """The cluster is full right now; retry later."""
-
-
-class Unavailable(TandemError):
-    """The router could not be reached (after the retries)."""
-
-
-class DeadlineExceeded(TandemError):
-    """The call's timeout passed."""
-
-
-class Unauthenticated(TandemError):
-    """A missing or wrong API key."""
-
-
-_ERRORS: dict[grpc.StatusCode, type[TandemError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-}
 
 _FINISH = {
     api_pb2.FINISH_REASON_STOP: "stop",
@@ -149,41 +122,9 @@ def _settings(client, target, api_key, timeout, retries, backoff_s) -> None:  # 
     client._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def _retryable(e: grpc.RpcError, attempt: int, retries: int) -> bool:
-    """UNAVAILABLE (the router unreachable, or its connection reset) is tried again: from the
-    start before the first token, as a resumption after it (`_Received.request`)."""
-    return e.code() is grpc.StatusCode.UNAVAILABLE and attempt < retries
-
-
-class _Received:
-    """What a stream has delivered so far, to resume it through any router when it breaks."""
-
-    def __init__(self, request: api_pb2.GenerateRequest) -> None:
-        self.original, self.request_id, self.tokens, self.text = request, "", [], ""
-
-    def add(self, m: api_pb2.GenerateResponse) -> None:
-        self.request_id = self.request_id or m.request_id
-        self.tokens += m.token_ids
-        self.text += m.text
-
-    def request(self) -> api_pb2.GenerateRequest:
-        """The request to send (again): as it was, with `resume` once tokens have arrived."""
-        if not self.tokens:
-            return self.original
-        resumed = api_pb2.GenerateRequest()
-        resumed.CopyFrom(self.original)
-        resumed.resume.CopyFrom(api_pb2.Resume(request_id=self.request_id, token_ids=self.tokens, text=self.text))
-        return resumed
-
-
 def _credentials(tls_ca: str) -> grpc.ChannelCredentials:
     with open(tls_ca, "rb") as f:
         return grpc.ssl_channel_credentials(root_certificates=f.read())
-
-
-def _error(e: grpc.RpcError) -> TandemError:
-    code = e.code()
-    return _ERRORS.get(code, TandemError)(code, e.details() or "")
 
 
 def _request(
@@ -300,7 +241,7 @@ class Client:
                 api_pb2.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata
             )
         except grpc.RpcError as e:
-            raise _error(e) from None
+            raise from_rpc_error(e) from None
 
     def close(self) -> None:
         """Closes the channel; calls in progress are cancelled."""
@@ -316,7 +257,7 @@ class Client:
         self, request: api_pb2.GenerateRequest, timeout: float | None, metadata: dict[str, str]
     ) -> Iterator[api_pb2.GenerateResponse]:
         deadline = None if (timeout or self.timeout) is None else time.monotonic() + (timeout or self.timeout)  # type: ignore[operator]
-        received = _Received(request)
+        received = Received(request)
         for attempt in range(self.retries + 1):
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             call = self._stub.Generate(received.request(), timeout=remaining, metadata=self._metadata)
@@ -328,8 +269,8 @@ class Client:
                     yield m
                 return
             except grpc.RpcError as e:
-                if not _retryable(e, attempt, self.retries):
-                    raise _error(e) from None
+                if not retryable(e, attempt, self.retries):
+                    raise from_rpc_error(e) from None
                 self.resumed += bool(received.tokens)
             finally:
                 call.cancel()  # a no-op once the call is over; cancels it if the caller left early
@@ -388,7 +329,7 @@ class AsyncClient:
                 api_pb2.GetModelInfoRequest(), timeout=timeout or self.timeout, metadata=self._metadata
             )
         except grpc.RpcError as e:
-            raise _error(e) from None
+            raise from_rpc_error(e) from None
 
     async def close(self) -> None:
         """Closes the channel; calls in progress are cancelled."""
@@ -406,7 +347,7 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         limit = timeout or self.timeout
         deadline = None if limit is None else loop.time() + limit
-        received = _Received(request)
+        received = Received(request)
         for attempt in range(self.retries + 1):
             remaining = None if deadline is None else max(deadline - loop.time(), 0.001)
             call = self._stub.Generate(received.request(), timeout=remaining, metadata=self._metadata)
@@ -418,8 +359,8 @@ class AsyncClient:
                     yield m
                 return
             except grpc.RpcError as e:
-                if not _retryable(e, attempt, self.retries):
-                    raise _error(e) from None
+                if not retryable(e, attempt, self.retries):
+                    raise from_rpc_error(e) from None
                 self.resumed += bool(received.tokens)
             finally:
                 call.cancel()
