@@ -58,7 +58,7 @@ class RequireKey(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        return _refusing(handler, self.message)
+        return refusing(handler, self.message)
 
 
 def client_keys(config: AuthConfig) -> RequireKey | None:
@@ -138,13 +138,9 @@ def verify_capability(
         raise deny(f"the capability allows {cap.num_blocks} blocks, the transfer needs more")
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    def abort(request, context):  # type: ignore[no-untyped-def]
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    def abort_stream(request_iterator, context):  # type: ignore[no-untyped-def]
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
+def refusing(handler: grpc.RpcMethodHandler, message: str, aio: bool = False) -> grpc.RpcMethodHandler:
+    """`handler`'s method answering UNAUTHENTICATED with `message`, for a threaded server or (`aio`)
+    a `grpc.aio` one, whose aborts are awaited and whose streaming handlers are async generators."""
     kind = (handler.request_streaming, handler.response_streaming)
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -152,8 +148,27 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[kind]
+    behaviour = _aio_refusal(message, handler.response_streaming) if aio else _refusal(message)
     return make(
-        abort_stream if handler.request_streaming else abort,
+        behaviour,  # type: ignore[arg-type]
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+def _refusal(message: str) -> Callable[..., None]:
+    def abort(request, context):  # type: ignore[no-untyped-def]
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return abort
+
+
+def _aio_refusal(message: str, response_streaming: bool) -> Callable[..., object]:
+    async def abort(request, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(request, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, as a streaming handler must be
+
+    return abort_stream if response_streaming else abort

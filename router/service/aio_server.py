@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.auth import OPEN_PREFIXES, RequireKey
+from cluster.auth import OPEN_PREFIXES, RequireKey, refusing
 from cluster.grpc_server import message_options
 
 
@@ -71,25 +71,4 @@ class RequireKeyAio(grpc.aio.ServerInterceptor):
             return handler
         if self.key.check(handler_call_details.invocation_metadata or ()):
             return handler
-        return _refusing(handler, self.key.message)
-
-
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def abort(request, context):  # type: ignore[no-untyped-def]
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def abort_stream(request, context):  # type: ignore[no-untyped-def]
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # an async generator, as a streaming handler must be
-
-    make, behaviour = {
-        (False, False): (grpc.unary_unary_rpc_method_handler, abort),
-        (False, True): (grpc.unary_stream_rpc_method_handler, abort_stream),
-        (True, False): (grpc.stream_unary_rpc_method_handler, abort),
-        (True, True): (grpc.stream_stream_rpc_method_handler, abort_stream),
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        behaviour,  # type: ignore[arg-type]
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+        return refusing(handler, self.key.message, aio=True)

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from pydantic import BaseModel
 from tandem.v1 import worker_pb2
 
-from cluster.config import ClusterConfig, SLOConfig
+from cluster.config import AuthConfig, ClusterConfig, RouterConfig, SLOConfig, TelemetryConfig
 from cluster.model.arch import ModelArch
 from cluster.model.tokenizer import Tokenizer
 from router.service.validate import Limits
+
+
+def _default(part: type[BaseModel], name: str) -> Any:
+    """The default of `part`'s field `name`: written once, in the config, and read here."""
+    return part.model_fields[name].default
 
 
 @dataclass(frozen=True)
@@ -24,17 +30,17 @@ class RouterSettings:
     dtype: str
     slo: SLOConfig = field(default_factory=SLOConfig)
     capability_secret: bytes | None = None  # mint a capability for every KV transfer
-    capability_ttl_s: float = 120.0
-    migration_limit: int = 2
-    migration_wait_s: float = 60.0
-    max_queued_requests: int = 256
-    local_prefill_max_tokens: int = 64
-    metrics_port: int = 0
+    capability_ttl_s: float = _default(AuthConfig, "capability_ttl_s")
+    migration_limit: int = _default(RouterConfig, "migration_limit")
+    migration_wait_s: float = _default(RouterConfig, "migration_wait_s")
+    max_queued_requests: int = _default(RouterConfig, "max_queued_requests")
+    local_prefill_max_tokens: int = _default(RouterConfig, "local_prefill_max_tokens")
+    metrics_port: int = _default(TelemetryConfig, "metrics_port")
     watch_heartbeat_s: float = 0.5  # a worker's Watch stream sends at least this often
     watch_stale_after_s: float = 2.0  # a worker silent this long takes no new request
-    first_token_from_prefill: bool = True  # stream the prefill worker's first token at once
-    prefix_routing: str = "kv"  # "kv" (the workers' cache events), "hash" (the prefill ring) or "random"
-    prefix_index_max_blocks: int = 1_000_000
+    first_token_from_prefill: bool = _default(RouterConfig, "first_token_from_prefill")
+    prefix_routing: str = _default(RouterConfig, "prefix_routing")  # "kv", "hash" (the prefill ring) or "random"
+    prefix_index_max_blocks: int = _default(RouterConfig, "prefix_index_max_blocks")
 
 
 class PoolAdmin(Protocol):
