@@ -227,7 +227,8 @@ def test_the_map_names_every_module():
         if f"| `{name}` |" not in text[start:end]:
             missing.append(f"{'/'.join(parts)}.py (in the {package} table)")
     for package in ("prefill_worker", "decode_worker", "router", "planner", "cli"):
-        for path in sorted((ROOT / package).glob("*.py")):
-            if path.stem != "__init__" and f"| `{package}/{path.stem}` |" not in text:
-                missing.append(f"{package}/{path.name}")
+        for path in sorted((ROOT / package).rglob("*.py")):  # subpackages too: `router/openai/app`
+            name = path.relative_to(ROOT).with_suffix("").as_posix()
+            if path.stem != "__init__" and f"| `{name}` |" not in text:
+                missing.append(f"{name}.py")
     assert not missing, f"docs/map.md lacks rows for {missing}"

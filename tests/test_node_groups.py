@@ -129,13 +129,14 @@ def autoscaling_ray():
     )
     fake.start()
     ray.init(fake.gcs_address, namespace="tandem-node-groups", log_to_driver=False)
-    yield
+    yield fake.gcs_address  # Ray's state API is given it: found by looking around, it may be another Ray
     ray.shutdown()
     fake.shutdown()
 
 
 def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
-    assert {node_type(n.resources_total) for n in list_nodes()} == {"head"}, "no worker nodes at start"
+    address = autoscaling_ray
+    assert {node_type(n.resources_total) for n in list_nodes(address=address)} == {"head"}, "no worker nodes at start"
     config = parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
@@ -149,15 +150,15 @@ def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
     try:
 
         def placement() -> dict[str, str]:
-            nodes = {n.node_id: node_type(n.resources_total) for n in list_nodes() if n.state == "ALIVE"}
+            nodes = {n.node_id: node_type(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"}
             return {
                 a.name: nodes.get(a.node_id, "?")
-                for a in list_actors(filters=[("state", "=", "ALIVE")])
+                for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
                 if a.name.startswith(("prefill-", "decode-"))
             }
 
         assert placement() == {"prefill-0": "prefill", "decode-0": "decode"}
-        alive = [node_type(n.resources_total) for n in list_nodes() if n.state == "ALIVE"]
+        alive = [node_type(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"]
         assert sorted(alive) == ["decode", "head", "prefill"], "Ray added one node of each group"
 
         cluster.scale("decode", 2)
@@ -165,7 +166,7 @@ def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
         while len(cluster.discover()) < 3 and time.monotonic() < deadline:
             time.sleep(1)
         assert placement() == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
-        alive = [node_type(n.resources_total) for n in list_nodes() if n.state == "ALIVE"]
+        alive = [node_type(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"]
         assert alive.count("decode") == 2 and alive.count("prefill") == 1, "scaling decode added decode nodes only"
     finally:
         cluster.shutdown()

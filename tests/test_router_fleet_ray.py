@@ -112,7 +112,12 @@ def test_both_routers_serve_the_one_cluster_and_either_shows_both(routers):
         streams.append((client, stream))
     try:
         for address in addresses.values():
-            seen = wait_for(lambda a=address: (s := status(a)).requests_in_flight == 2 and s, 5, "both in flight")
+            # a router's placements arrive with its status report, so wait for both
+            def settled(a: str = address):  # type: ignore[no-untyped-def]
+                s = status(a)
+                return s.requests_in_flight == 2 and sum(s.decisions.values()) >= 4 and s
+
+            seen = wait_for(settled, 5, "both in flight, both routers' placements reported")
             assert {r.name: r.address for r in seen.routers} == addresses
             assert [r.requests_in_flight for r in seen.routers] == [1, 1]
             assert sum(seen.decisions.values()) >= 4, "both routers' placements"
