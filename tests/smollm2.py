@@ -67,8 +67,3 @@ def reference(model, prompts: list[list[int]]) -> Reference:  # type: ignore[no-
 
 def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours.float() - theirs).abs().max() / theirs.abs().max()).item()
-
-
-def bf16_ulp(x: float) -> float:
-    """The spacing of bfloat16 values (8 significant bits) at magnitude |x|."""
-    return 2.0 ** (torch.tensor(abs(x)).log2().floor().item() - 7)

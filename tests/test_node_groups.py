@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray._private.authentication.authentication_token_setup import _enable_token_auth, ensure_token_if_auth_enabled
 from ray.cluster_utils import AutoscalingCluster
 from ray.util.state import list_actors, list_nodes
 
@@ -46,9 +47,7 @@ class NodeGroups(AutoscalingCluster):
         ray_bin = Path(sys.executable).parent / "ray"
         command = [str(ray_bin), "start", "--head", f"--autoscaling-config={config}", f"--temp-dir={self.temp_dir}"]
         command += [f"--port={self.gcs_address.split(':')[1]}", "--num-cpus=1"]
-        # An explicit address never sends Ray's token, so the head must not turn token auth on by itself
-        # (`ray start` does when ~/.ray/auth_token exists)
-        env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
+        env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1"}
         subprocess.run(command, env=env, check=True, capture_output=True)
 
     def shutdown(self) -> None:
@@ -103,6 +102,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def gcs_log_tail(temp_dir: str, lines: int = 40) -> str:
+    logs = Path(temp_dir, "session_latest", "logs")
+    text = "".join(logs.joinpath(name).read_text(errors="replace") for name in ("gcs_server.out", "gcs_server.err"))
+    return "\n".join([line for line in text.splitlines() if "ctor" in line or "ERROR" in line][-lines:])
+
+
 def node_type(resources: dict) -> str:
     return "prefill" if "prefill" in resources else "decode" if "decode" in resources else "head"
 
@@ -127,15 +132,19 @@ def autoscaling_ray():
             },
         },
     )
+    # Token auth on for the head, its fake nodes and this process alike: Ray's own local `ray.init` turns it
+    # on in this process for good (another module may have run one), so both sides agree either way
+    _enable_token_auth()
+    ensure_token_if_auth_enabled(create_token_if_missing=True)
     fake.start()
     ray.init(fake.gcs_address, namespace="tandem-node-groups", log_to_driver=False)
-    yield fake.gcs_address  # Ray's state API is given it: found by looking around, it may be another Ray
+    yield fake  # Ray's state API is given its address: found by looking around, it may be another Ray
     ray.shutdown()
     fake.shutdown()
 
 
 def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
-    address = autoscaling_ray
+    address = autoscaling_ray.gcs_address
     assert {node_type(n.resources_total) for n in list_nodes(address=address)} == {"head"}, "no worker nodes at start"
     config = parse_config(
         {
@@ -146,7 +155,12 @@ def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
             "decode": {"num_cpus": 1, "resource": "decode", "autoscaling": {"min_replicas": 1, "max_replicas": 2}},
         }
     )
-    cluster = ray_cluster.start(config, namespace="tandem-node-groups", timeout_s=240, bind_host="127.0.0.1")
+    try:
+        cluster = ray_cluster.start(config, namespace="tandem-node-groups", timeout_s=240, bind_host="127.0.0.1")
+    except ray.exceptions.RayError as e:  # what Ray's control store said about it, for whoever reads the failure
+        raise AssertionError(
+            f"the pools did not start; Ray's GCS log ends:\n{gcs_log_tail(autoscaling_ray.temp_dir)}"
+        ) from e
     try:
 
         def placement() -> dict[str, str]:
