@@ -196,15 +196,6 @@ def test_lease_expiry_releases_blocks_when_the_decode_worker_vanishes(model):
     prefill.scheduler.blocks.check_integrity()
 
 
-def test_the_gpu_transfer_check_runs_on_cpu():
-    """benchmarks/gpu_kv_nccl.py (two CUDA processes over NCCL) run as its CPU twin over Gloo, so the
-    script itself is exercised where no GPU is."""
-    script = ROOT / "benchmarks" / "gpu_kv_nccl.py"
-    result = subprocess.run([sys.executable, str(script), "--cpu"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("OK:") and "gloo" in result.stdout
-
-
 def seeded_workload(n: int = 8, seed: int = 4) -> dict[str, tuple[list[int], SamplingParams]]:
     """Sampled requests, each with its own seed; half with penalties and min_tokens, which count
     the output a moved request brings along."""

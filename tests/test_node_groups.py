@@ -52,11 +52,11 @@ class NodeGroups(AutoscalingCluster):
 
     def shutdown(self) -> None:
         own = [pid for pid in _pids() if self.temp_dir in _cmdline(pid)]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, grace_s in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
             for pid in own:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + grace_s
             while (own := [p for p in own if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
                 time.sleep(0.2)
         shutil.rmtree(self.temp_dir, ignore_errors=True)

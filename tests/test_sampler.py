@@ -197,3 +197,15 @@ def test_stop_strings_across_tokens(tokenizer, stop):
     emitted += detok.flush()
     assert detok.stopped
     assert emitted == TEXT[: TEXT.find(stop)]
+
+
+def test_the_detokenizer_keeps_only_the_text_it_has_not_released(tokenizer):
+    """Each token costs the same however long the output: what is kept between tokens is the held-back
+    tail (a possible stop string, a partial character), never the whole output."""
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["never there"])
+    ids = tokenizer.encode(TEXT) * 200
+    out = []
+    for t in ids:
+        out.append(detok.add(t))
+        assert len(detok._pending) <= len("never there") + 8, "the detokenizer holds more than its hold-back"
+    assert "".join(out) + detok.flush() == TEXT * 200

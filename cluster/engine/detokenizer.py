@@ -6,7 +6,8 @@ the next token. Decoding restarts a few tokens back (`prefix_offset`) rather tha
 which keeps each step's cost constant and lets merges that depend on context settle.
 
 Stop strings may span token boundaries, so the last `max(len(stop)) - 1` characters are held back
-until they cannot start a stop string. On a match the text is cut before the stop string.
+until they cannot start a stop string. On a match the text is cut before the stop string. Only the
+text not yet released is kept, so each token costs the same however long the output grows.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""  # all decoded output text so far (before any stop string)
-        self._emitted = 0  # characters of self.text already returned
+        self._pending = ""  # decoded text not yet returned: between calls, at most the held-back tail
         self.stopped = False
 
     def add(self, token_id: int) -> str:
@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._tok.decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            self.text += full[len(prefix) :]
+            self._pending += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return self._release(final=False)
 
@@ -50,14 +50,13 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
+        # Released text cannot start a stop string (the hold-back), so the pending text is all a match can be in
         if self._stop and not self.stopped:
-            start = max(0, self._emitted - self._hold)
-            hits = [i for s in self._stop if (i := self.text.find(s, start)) != -1]
+            hits = [i for s in self._stop if (i := self._pending.find(s)) != -1]
             if hits:
-                self.text = self.text[: min(hits)]
+                self._pending = self._pending[: min(hits)]
                 self.stopped = True
                 final = True
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
-        delta = self.text[self._emitted : end]
-        self._emitted = end
+        cut = len(self._pending) if final else max(0, len(self._pending) - self._hold)
+        delta, self._pending = self._pending[:cut], self._pending[cut:]
         return delta

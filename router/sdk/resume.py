@@ -18,12 +18,13 @@ class Received:
     """What a stream has delivered so far, to resume it through any router when it breaks."""
 
     def __init__(self, request: api_pb2.GenerateRequest) -> None:
-        self.original, self.request_id, self.tokens, self.text = request, "", [], ""
+        self.original, self.request_id, self.tokens = request, "", []
+        self.texts: list[str] = []  # joined only when the stream resumes
 
     def add(self, m: api_pb2.GenerateResponse) -> None:
         self.request_id = self.request_id or m.request_id
         self.tokens += m.token_ids
-        self.text += m.text
+        self.texts.append(m.text)
 
     def request(self) -> api_pb2.GenerateRequest:
         """The request to send (again): as it was, with `resume` once tokens have arrived."""
@@ -31,5 +32,6 @@ class Received:
             return self.original
         resumed = api_pb2.GenerateRequest()
         resumed.CopyFrom(self.original)
-        resumed.resume.CopyFrom(api_pb2.Resume(request_id=self.request_id, token_ids=self.tokens, text=self.text))
+        text = "".join(self.texts)
+        resumed.resume.CopyFrom(api_pb2.Resume(request_id=self.request_id, token_ids=self.tokens, text=text))
         return resumed

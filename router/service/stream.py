@@ -148,7 +148,7 @@ class Stream:
     targets: Targets
     chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (arrival, tokens)
     generated: list[int] = dataclasses.field(default_factory=list)
-    sent_text: str = ""
+    sent: list[str] = dataclasses.field(default_factory=list)  # the text sent, piece by piece (joined when moved)
     carry: str = ""  # text a failed worker held back (a possible stop string, a partial character)
     cached_tokens: int | None = None  # prompt tokens the prefill worker found cached
     status: str = "error"
@@ -167,7 +167,7 @@ class Stream:
         if msg.token_ids or first:
             self.chunks.append((time.time(), len(msg.token_ids)))
         self.generated += msg.token_ids
-        self.sent_text += self.carry + msg.text
+        self.sent.append(self.carry + msg.text)
         out = api_pb2.GenerateResponse(request_id=self.rid)
         if self.carry:
             out.text, self.carry = self.carry + msg.text, ""
@@ -189,14 +189,14 @@ class Stream:
 
     def resumed(self, resume: api_pb2.Resume, decode: Callable[[list[int]], str]) -> None:
         """A stream resumed through this router: the client has these tokens and this text already."""
-        self.generated, self.sent_text = list(resume.token_ids), resume.text
+        self.generated, self.sent = list(resume.token_ids), [resume.text]
         self.migrated(decode)
 
     def migrated(self, decode: Callable[[list[int]], str]) -> None:
         """The tokens streamed so far go to the next worker as output already generated: any of
         their text the failed worker had not released yet goes out with the next message."""
-        whole = decode(self.generated) if self.generated else ""
-        self.carry = whole[len(self.sent_text) :] if whole.startswith(self.sent_text) else ""
+        whole, sent = decode(self.generated) if self.generated else "", "".join(self.sent)
+        self.carry = whole[len(sent) :] if whole.startswith(sent) else ""
 
 
 def account(telemetry: Telemetry, slo: SLOWindow, root: trace.Span, stream: Stream) -> None:
