@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import api_pb2, worker_pb2
 
+from cluster.engine.changes import Changes
 from cluster.engine.kv_events import KVBatch, KVJournal
 from cluster.engine.request import SamplingParams, params_from_proto
 
@@ -110,29 +111,37 @@ def watch_loads(
     context: grpc.ServicerContext,
     stopped: threading.Event,
     journal: KVJournal | None = None,
+    changes: Changes | None = None,
 ) -> Iterator[worker_pb2.WorkerUpdate]:
-    """A worker's `Worker.Watch`: the load at once, again whenever it changes (sampled every
-    `min_interval_seconds`, so at most one snapshot per interval), and a heartbeat after
-    `heartbeat_seconds` without a message. With `kv_events` asked for and a `journal`, each
-    message also carries the prefix cache's events since the last (a snapshot first). It ends
-    with the call or when the worker stops."""
+    """A worker's `Worker.Watch`: the load at once, again whenever it changes (at most one snapshot
+    per `min_interval_seconds`), and a heartbeat after `heartbeat_seconds` without a message. With
+    `changes` (the engine's change counter) it looks only when the engine changed, and at each
+    heartbeat; without, every interval. With `kv_events` asked for and a `journal`, each message
+    also carries the prefix cache's events since the last (a snapshot first). It ends with the call
+    or when the worker stops."""
     interval = max(request.min_interval_seconds or 0.01, 0.001)
     heartbeat = max(request.heartbeat_seconds or 0.5, interval)
     events = journal if request.kv_events else None
-    last, sent_at, sequence, cursor = None, 0.0, 0, None
+    last, sent_at, sequence, cursor, seen = None, 0.0, 0, None, -1
     while context.is_active() and not stopped.is_set():
-        current, now = load(), time.monotonic()
-        batch = None if events is None else events.since(cursor)
-        if current != last or batch is not None:
-            sequence += 1
-            update = worker_pb2.WorkerUpdate(load=current, sequence=sequence)
-            if batch is not None:
-                update.kv.CopyFrom(kv_events_message(batch))
-                cursor = batch.last
-            yield update
-            last, sent_at = current, now
-        elif now - sent_at >= heartbeat:
-            sequence += 1
-            yield worker_pb2.WorkerUpdate(sequence=sequence)
-            sent_at = now
-        stopped.wait(interval)
+        now = time.monotonic()
+        due = now - sent_at >= heartbeat
+        if changes is None or changes.version != seen or due:
+            seen = changes.version if changes is not None else seen
+            current = load()
+            batch = None if events is None else events.since(cursor)
+            if current != last or batch is not None:
+                sequence += 1
+                update = worker_pb2.WorkerUpdate(load=current, sequence=sequence)
+                if batch is not None:
+                    update.kv.CopyFrom(kv_events_message(batch))
+                    cursor = batch.last
+                yield update
+                last, sent_at, due = current, now, False
+            elif due:
+                sequence += 1
+                yield worker_pb2.WorkerUpdate(sequence=sequence)
+                sent_at, due = now, False
+        stopped.wait(interval)  # at most one snapshot per interval
+        if changes is not None:  # then asleep until the engine changes or the heartbeat is due
+            changes.wait(seen, min(1.0, max(0.0, heartbeat - (time.monotonic() - sent_at))))

@@ -31,6 +31,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from cluster.auth import cluster_secret
 from cluster.config import AuthConfig, ModelConfig, SchedulerConfig, TelemetryConfig
+from cluster.engine.changes import Changes
 from cluster.engine.kv_events import KVJournal
 from cluster.grpc_server import Server, start_server, watch_loads
 from cluster.kv.collective import CollectiveGroups
@@ -41,6 +42,10 @@ from cluster.model.tokenizer import Tokenizer
 from cluster.telemetry import Telemetry
 from cluster.tls import server_credentials
 from cluster.watchdog import Watchdog
+
+# An idle engine loop sleeps until its engine changes; it wakes this often anyway, to show the
+# watchdog it is alive.
+IDLE_WAKE_S = 0.5
 
 
 class _Scheduler(Protocol):
@@ -56,6 +61,9 @@ class WorkerEngine(Protocol):
 
     @property
     def kv_journal(self) -> KVJournal: ...
+
+    @property
+    def changes(self) -> Changes: ...
 
 
 E = TypeVar("E", bound=WorkerEngine)
@@ -81,7 +89,6 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
         self.watchdog = Watchdog(self._busy, self._on_wedge, wedged_after_s)
         self.server: Server | None = None
         self._lock = threading.Lock()  # the role's request tables, and what its engine loop shares
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._draining = False
         self._loop = threading.Thread(target=self._run, daemon=True, name=f"{worker_id}-engine")
@@ -109,7 +116,7 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self.engine.changes.bump()  # wakes the engine loop and every Watch
         self.watchdog.stop()
         self._before_server_stop()
         if self.server is not None:
@@ -130,10 +137,11 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     def Watch(
         self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal)
+        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal, self.engine.changes)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True
+        self.engine.changes.bump()  # the load says so
         if self.server is not None:
             self.server.set_serving(False)
         return worker_pb2.DrainResult(remaining_seqs=self.remaining())
@@ -176,6 +184,7 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     # -- internals ---------------------------------------------------------------------------------
 
     def _on_wedge(self, wedged: bool) -> None:
+        self.engine.changes.bump()  # the load says so
         if self.server is not None:
             self.server.set_serving(not wedged and not self._draining)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
 from cluster.engine.kv_events import KVJournal
@@ -124,6 +125,9 @@ class Engine:
             else None
         )
         self.grammars = grammars  # structured output; None refuses constrained requests
+        self.changes = Changes()  # bumped after every change below; the loop and Watch wait on it
+        self.occupancy = Occupancy()  # the load as of the last change, published under the lock
+        self._changed()
 
     def warm_up(self) -> None:
         """Compiles every decode bucket now (the target's, and the draft model's when it has its
@@ -165,6 +169,7 @@ class Engine:
                 raise MemoryError(f"{blocks.num_free_blocks} free KV blocks are not enough for {len(token_ids)} tokens")
             cached = blocks.allocate(request_id, request.all_token_ids)
             self._reserved.add(request_id)
+            self._changed()
             return list(blocks.block_table(request_id)), cached
 
     def release(self, request_id: str) -> None:
@@ -173,6 +178,7 @@ class Engine:
             if request_id in self._reserved:
                 self._reserved.discard(request_id)
                 self.scheduler.blocks.free(request_id)
+                self._changed()
 
     def admit(
         self,
@@ -194,6 +200,7 @@ class Engine:
             self._open_stream(request)  # before the first token joins the output: it is decoded as new text
             self.scheduler.admit(request, first_token)  # and the matcher takes the first token
             self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
+            self._changed()
 
     def add_request(
         self,
@@ -216,6 +223,7 @@ class Engine:
             else:
                 self.scheduler.add(request)
             self._open_stream(request)
+            self._changed()
 
     def _constrain(self, request: Request) -> None:
         """Gives a constrained request its matcher, replayed over the output it already has (made
@@ -239,6 +247,7 @@ class Engine:
             found = self.beams.abort(request_id) or self.scheduler.abort(request_id) is not None
             if self.speculator is not None:
                 self.speculator.retain(self.scheduler.requests)
+            self._changed()
             return found
 
     def step(self) -> list[RequestOutput]:
@@ -248,7 +257,20 @@ class Engine:
             if plan.empty:
                 return outputs
             output = self.runner.run(plan)
-            return outputs + self._update(plan, output)
+            outputs += self._update(plan, output)
+            self._changed()
+            return outputs
+
+    def _changed(self) -> None:
+        """Publishes the load as it is now and wakes whoever waits for a change (under the lock)."""
+        s, blocks = self.scheduler, self.scheduler.blocks
+        self.occupancy = Occupancy(
+            running=len(s.running), waiting=len(s.waiting),
+            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            free_blocks=blocks.num_free_blocks, total_blocks=blocks.num_blocks, preemptions=s.stats.num_preemptions,
+            prefix_hits=blocks.prefix_hits, prefix_queries=blocks.prefix_queries,
+        )  # fmt: skip
+        self.changes.bump()
 
     def _schedule(self) -> StepPlan:
         """The scheduler's plan, less the beam groups that cannot step whole, with drafts added."""

@@ -33,7 +33,7 @@ from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv.wire import model_fingerprint
 from cluster.telemetry import Telemetry, extract
-from cluster.worker_shell import WorkerShell, load_model_and_tokenizer
+from cluster.worker_shell import IDLE_WAKE_S, WorkerShell, load_model_and_tokenizer
 from decode_worker.engine import Engine, RequestOutput
 from decode_worker.kv_intake import KVIntake
 
@@ -141,7 +141,6 @@ class DecodeWorker(WorkerShell[Engine]):
                     self.engine.add_request(rid, list(request.prompt_token_ids), params, output)
                 except ValueError as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                self._wake.set()
             first_at, tokens = None, 0
             while context.is_active():
                 try:
@@ -164,27 +163,27 @@ class DecodeWorker(WorkerShell[Engine]):
                 self._cancel(rid, awaiting_kv=request.remote_prefill)
 
     def remaining(self) -> int:
-        s = self.engine.scheduler
+        o = self.engine.occupancy
         with self._lock:
             streams = len(self._streams)  # includes remote-prefill requests still waiting for their KV
-        return max(len(s.running) + len(s.waiting), streams) + self.intake.in_flight
+        return max(o.running + o.waiting, streams) + self.intake.in_flight
 
     def load(self) -> worker_pb2.WorkerLoad:
-        s = self.engine.scheduler
+        o = self.engine.occupancy  # one consistent moment, read without waiting for a step
         m = self.telemetry.metrics
-        m.kv_usage.set(s.blocks.usage)
-        m.running.set(len(s.running))
-        m.waiting.set(len(s.waiting))
-        m.preemptions.set(s.stats.num_preemptions)
-        m.prefix_hit_rate.set(s.blocks.prefix_hits / s.blocks.prefix_queries if s.blocks.prefix_queries else 0.0)
+        m.kv_usage.set(o.kv_usage)
+        m.running.set(o.running)
+        m.waiting.set(o.waiting)
+        m.preemptions.set(o.preemptions)
+        m.prefix_hit_rate.set(o.prefix_hits / o.prefix_queries if o.prefix_queries else 0.0)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id,
             role="decode",
-            running_seqs=len(s.running),
-            waiting_seqs=len(s.waiting) + self.intake.in_flight,
-            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in list(s.waiting)),
-            free_kv_blocks=s.blocks.num_free_blocks,
-            total_kv_blocks=s.blocks.num_blocks,
+            running_seqs=o.running,
+            waiting_seqs=o.waiting + self.intake.in_flight,
+            queued_prompt_tokens=o.queued_prompt_tokens,
+            free_kv_blocks=o.free_blocks,
+            total_kv_blocks=o.total_blocks,
             draining=self._draining,
             metrics_address=self.telemetry.metrics.address or "",
             wedged=self.watchdog.wedged,
@@ -246,9 +245,9 @@ class DecodeWorker(WorkerShell[Engine]):
     def _run(self) -> None:
         while not self._stop.is_set():
             self.watchdog.progress()
-            if not self.engine.has_unfinished:
-                self._wake.wait(0.005)  # transfers admit sequences without waking us; poll briefly
-                self._wake.clear()
+            seen = self.engine.changes.version  # read first: a change from here on wakes the wait below
+            if not self.engine.has_unfinished:  # asleep until a request, an admission or an abort arrives
+                self.engine.changes.wait(seen, IDLE_WAKE_S)
                 continue
             try:
                 outputs = self.engine.step()

@@ -26,6 +26,7 @@ import torch
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.changes import Changes
 from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk
@@ -101,6 +102,7 @@ class PrefillEngine:
         layerwise = transfer.layerwise
         self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
         self._jobs: dict[str, _Job] = {}
+        self.changes = Changes()  # bumped after every change of what it holds; its loop and Watch wait on it
 
     @property
     def has_unfinished(self) -> bool:
@@ -139,6 +141,7 @@ class PrefillEngine:
             request.matcher = self.grammars.matcher(params.structured, request.output_token_ids)
         self.scheduler.add(request)
         self._jobs[request_id] = _Job(request, sender, capability, skip=decode_cached_tokens)
+        self.changes.bump()
 
     def abort(self, request_id: str) -> bool:
         job = self._jobs.pop(request_id, None)
@@ -146,7 +149,9 @@ class PrefillEngine:
             return False
         if job.stream is not None:
             job.stream.abort()
-        return self.scheduler.abort(request_id)
+        found = self.scheduler.abort(request_id)
+        self.changes.bump()
+        return found
 
     def step(self) -> list[PrefillOutput]:
         self.poll_leases()
@@ -185,6 +190,7 @@ class PrefillEngine:
                     request.num_prompt_tokens, request.num_cached_tokens, job.stream,
                 )
             )  # fmt: skip
+        self.changes.bump()
         return outputs
 
     def poll_leases(self) -> int:
@@ -200,6 +206,8 @@ class PrefillEngine:
             self.scheduler.release(request_id)
             del self._jobs[request_id]
             released += 1
+        if released:
+            self.changes.bump()
         return released
 
     def stats(self) -> PrefillStats:

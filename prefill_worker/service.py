@@ -36,6 +36,8 @@ from cluster.tls import channel_credentials
 from cluster.worker_shell import WorkerShell, load_model_and_tokenizer
 from prefill_worker.engine import PrefillEngine, PrefillOutput
 
+LEASE_POLL_S = 0.05  # how often an idle prefill worker releases the blocks of transfers that ended
+
 
 class PrefillWorker(WorkerShell[PrefillEngine]):
     groups: CollectiveGroups  # always: a collective transport's senders join their groups through it
@@ -89,7 +91,6 @@ class PrefillWorker(WorkerShell[PrefillEngine]):
             self._waiters[rid] = waiter
         done = False
         context.add_callback(lambda: None if done else self._cancel(rid))
-        self._wake.set()
         try:
             out, step_start, step_end = waiter.result()
         except CancelledError:
@@ -189,6 +190,7 @@ class PrefillWorker(WorkerShell[PrefillEngine]):
     def _run(self) -> None:
         while not self._stop.is_set():
             self.watchdog.progress()
+            seen = self.engine.changes.version  # read first: a change from here on wakes the wait below
             with self._lock:
                 busy = self.engine.scheduler.has_work
                 try:
@@ -208,9 +210,8 @@ class PrefillWorker(WorkerShell[PrefillEngine]):
                     waiter = self._waiters.pop(out.request_id, None)
                     if waiter is not None and not waiter.done():
                         waiter.set_result((out, step_start, step_end))
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
+            if not busy:  # asleep until a request arrives, waking to release the leases that ended
+                self.engine.changes.wait(seen, LEASE_POLL_S)
 
 
 def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
