@@ -110,15 +110,14 @@ def watch_loads(
     request: worker_pb2.WatchRequest,
     context: grpc.ServicerContext,
     stopped: threading.Event,
+    changes: Changes,
     journal: KVJournal | None = None,
-    changes: Changes | None = None,
 ) -> Iterator[worker_pb2.WorkerUpdate]:
     """A worker's `Worker.Watch`: the load at once, again whenever it changes (at most one snapshot
-    per `min_interval_seconds`), and a heartbeat after `heartbeat_seconds` without a message. With
-    `changes` (the engine's change counter) it looks only when the engine changed, and at each
-    heartbeat; without, every interval. With `kv_events` asked for and a `journal`, each message
-    also carries the prefix cache's events since the last (a snapshot first). It ends with the call
-    or when the worker stops."""
+    per `min_interval_seconds`), and a heartbeat after `heartbeat_seconds` without a message. It
+    looks at the load only when the engine's `changes` moved, or a heartbeat is due. With
+    `kv_events` asked for and a `journal`, each message also carries the prefix cache's events since
+    the last (a snapshot first). It ends with the call or when the worker stops."""
     interval = max(request.min_interval_seconds or 0.01, 0.001)
     heartbeat = max(request.heartbeat_seconds or 0.5, interval)
     events = journal if request.kv_events else None
@@ -126,8 +125,8 @@ def watch_loads(
     while context.is_active() and not stopped.is_set():
         now = time.monotonic()
         due = now - sent_at >= heartbeat
-        if changes is None or changes.version != seen or due:
-            seen = changes.version if changes is not None else seen
+        if changes.version != seen or due:
+            seen = changes.version
             current = load()
             batch = None if events is None else events.since(cursor)
             if current != last or batch is not None:
@@ -137,11 +136,10 @@ def watch_loads(
                     update.kv.CopyFrom(kv_events_message(batch))
                     cursor = batch.last
                 yield update
-                last, sent_at, due = current, now, False
+                last, sent_at = current, now
             elif due:
                 sequence += 1
                 yield worker_pb2.WorkerUpdate(sequence=sequence)
-                sent_at, due = now, False
-        stopped.wait(interval)  # at most one snapshot per interval
-        if changes is not None:  # then asleep until the engine changes or the heartbeat is due
-            changes.wait(seen, min(1.0, max(0.0, heartbeat - (time.monotonic() - sent_at))))
+                sent_at = now
+        stopped.wait(interval)  # at most one snapshot per interval; then asleep until a change or a heartbeat
+        changes.wait(seen, min(1.0, max(0.0, heartbeat - (time.monotonic() - sent_at))))

@@ -137,7 +137,7 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     def Watch(
         self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop, self.engine.kv_journal, self.engine.changes)
+        yield from watch_loads(self.load, request, context, self._stop, self.engine.changes, self.engine.kv_journal)
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True
