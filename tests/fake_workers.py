@@ -105,6 +105,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.draining = False
         self.refuse_watch = False  # a worker that cannot be watched: every Watch call fails at once
         self.fail_after = -1  # >= 0: the worker dies (`die`) once a Submit has sent this many messages
+        # With fail_after, its calls fail but its Watch streams keep beating: the router hears of the
+        # death only from the failed call.
+        self.watch_survives = False
         # The finish reason in a message of its own after the last token (as a decode worker sends
         # it when a request's grammar ends or a stop string completes across steps).
         self.finish_apart = False
@@ -155,7 +158,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def _maybe_die(self, sent: int, context) -> None:  # type: ignore[no-untyped-def]
         if sent == self.fail_after:
-            self.die()
+            if self.watch_survives:
+                self.dead = True
+            else:
+                self.die()
         if self.dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} died")
 

@@ -137,13 +137,17 @@ def test_1000_concurrent_streams_through_one_router_on_bounded_threads(fleet):
         router.stop()
 
 
+@pytest.mark.parametrize("watch_breaks", [True, False], ids=["watch-breaks", "watch-beats-on"])
 @pytest.mark.parametrize("where", ["decode", "prefill"])
-def test_a_worker_that_fails_mid_request_is_migrated_and_the_output_is_unchanged(fleet, where):
+def test_a_worker_that_fails_mid_request_is_migrated_and_the_output_is_unchanged(fleet, where, watch_breaks):
+    """A failed call sets its worker aside, so the move goes elsewhere even before the worker's
+    Watch stream breaks (or when it never does)."""
     broken = fleet.add(f"{where}-0", role=where, step_s=0.002)
     fleet.add(f"{where}-1", role=where, step_s=0.002)
     if where == "prefill":
         fleet.add("decode-0", step_s=0.002)
     broken.fail_after = 0 if where == "prefill" else 3
+    broken.watch_survives = not watch_breaks
     router = make_router(fleet)
     address = router.start()
     try:

@@ -89,6 +89,20 @@ def test_a_late_worker_is_set_aside_and_its_next_heartbeat_brings_it_back():
     assert not isinstance(e.value, NoneInView), "a worker is in view: waiting would not help"
 
 
+def test_a_suspected_worker_is_passed_over_until_it_is_heard_from():
+    """A call to a worker failed: placement passes it over at once (its stream may still be up),
+    and its next heartbeat brings it back."""
+    index = LoadIndex()
+    index.update("decode-0", worker_pb2.WorkerLoad(role="decode", free_kv_blocks=10, total_kv_blocks=10))
+    index.update("decode-1", worker_pb2.WorkerLoad(role="decode", free_kv_blocks=9, total_kv_blocks=10, running_seqs=1))
+    assert index.choose([1], 1, 16, 8).decode == "decode-0"
+    index.suspect("decode-0")
+    index.suspect("decode-9")  # never seen: nothing to set aside
+    assert index.choose([1], 1, 16, 8).decode == "decode-1"
+    index.heard("decode-0")
+    assert index.choose([1], 1, 16, 8).decode == "decode-0"
+
+
 def test_the_ring_is_rebuilt_only_when_membership_changes():
     index = LoadIndex()
     decode = worker_pb2.WorkerLoad(role="decode", free_kv_blocks=100, total_kv_blocks=100)

@@ -6,6 +6,8 @@ Lifecycle of a worker here:
     update(name, load)   a snapshot: the worker is placeable (unless draining or wedged)
     heard(name)          a heartbeat: the last snapshot still holds
     remove(name)         its stream broke, or discovery lost it: out of placement at once
+    suspect(name)        a call to it failed: set aside until it is heard from again (its Watch
+                         stream may not have broken yet, and a migrating request must not go back)
     stale                nothing heard for `stale_after_s`: `choose` passes it over and sets it
                          aside; its next heartbeat or snapshot puts it back (an idle worker's load
                          does not change, so a heartbeat alone must be enough)
@@ -71,6 +73,11 @@ class LoadIndex:
     def remove(self, name: str) -> None:
         with self._lock:
             self._drop(name)
+
+    def suspect(self, name: str) -> None:
+        with self._lock:
+            if name in self._loads:
+                self._set_aside(name)
 
     def loads(self) -> dict[str, worker_pb2.WorkerLoad]:
         """The fresh snapshots, by worker."""

@@ -6,8 +6,9 @@ they came (`Stream.response` appends what the router adds), and migrate when a w
                `watch_stale_after_s` while no decode worker is in view
     attempt    decode.Submit (the response stream), prefill.Submit beside it as a task; the
                prefill worker's first token is streamed as it arrives (`router.first_token_from_prefill`)
-    migrate    a migratable failure: the prompt and the tokens already streamed go to a live
-               worker as output already generated, at most `migration_limit` times
+    migrate    a migratable failure: the failed worker is set aside until it is heard from
+               again, and the prompt and the tokens already streamed go to a live worker as
+               output already generated, at most `migration_limit` times
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class Dispatcher:
                 if not broken.migratable or attempt == s.migration_limit:
                     raise Abort(broken.code, broken.details) from None
                 trusted = trusted and broken.where != "prefill"
+                self.view.index.suspect(broken.worker)  # until its next heartbeat: not the move's target
                 self.telemetry.metrics.migrations.labels(broken.where).inc()
                 stream.migrated(self.tokenizer.decode)
                 event = {"tandem.worker": broken.worker, "tandem.tokens_streamed": len(stream.generated)}
