@@ -19,7 +19,8 @@ what it measured). The steps:
 Models: a random-weight Llama-shaped model of about 1B parameters (the `llama-1b` preset), and
 the real model SmolLM2-135M-Instruct: its own weights where the folder has them, else random weights
 in its own shape (its config.json alone travels to the GPU machine; decode and prefill times depend
-on the shapes, not on the values). `--dry-run` runs every step on the CPU with tiny shapes.
+on the shapes, not on the values). `--dry-run` runs every step on the CPU with tiny shapes, two
+steps at a time (its times mean nothing, and each step's output is printed whole as it ends).
 
 Writes OUT_DIR/gpu_check.json and, where matplotlib imports, OUT_DIR/gpu_{decode,prefill,kv_overlap}.png.
 """
@@ -35,8 +36,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -50,6 +54,7 @@ REAL_SOURCES = (ROOT / ".cache" / "models" / REAL, ROOT / ".cache" / "gpu-carry"
 LIMITS = {"cuda_tests": 150, "decode": 100, "prefill": 40, "kv_overlap": 60, "transports": 60}
 BUDGET_S = 420  # all the steps and the models' preparation: with the wheels' install, inside 8 minutes
 DRY_SLACK = 4
+DRY_JOBS = 2  # a dry run's steps at a time: their times mean nothing, and each is mostly one core's imports
 PACKAGES = ("torch", "triton", "grpcio", "protobuf", "pydantic", "transformers", "safetensors", "numpy")
 
 
@@ -121,45 +126,76 @@ def dry_real_source(work: Path) -> Path:
     return folder
 
 
-class Runner:
-    """Runs the steps one after another within one budget; keeps the summary up to date on disk."""
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: list[str]
+    limit_s: float
+    result: Path | None = None  # the JSON the step writes
 
-    def __init__(self, summary: dict, path: Path, budget_s: float) -> None:
-        self.summary, self.path = summary, path
+
+class Runner:
+    """Runs the steps within one budget, one after another (`jobs` at a time in a dry run, each
+    step's output held and printed whole as it ends); keeps the summary up to date on disk."""
+
+    def __init__(self, summary: dict, path: Path, budget_s: float, jobs: int = 1) -> None:
+        self.summary, self.path, self.jobs = summary, path, jobs
         self.deadline = time.monotonic() + budget_s
+        self._lock = threading.Lock()  # the summary, its file and the log, between concurrent steps
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_finite(self.summary), indent=2, default=str, allow_nan=False))
-        tmp.replace(self.path)
+        with self._lock:
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(_finite(self.summary), indent=2, default=str, allow_nan=False))
+            tmp.replace(self.path)
 
-    def run(self, name: str, argv: list[str], limit_s: float, result: Path | None = None) -> dict:
+    def run_all(self, steps: list[Step]) -> dict[str, dict]:
+        """Every step's outcome, by name; the summary lists them in this order whatever ends first."""
+        for step in steps:
+            self.summary["steps"][step.name] = {"status": "not run", "reason": "waiting for its turn"}
+        with ThreadPoolExecutor(self.jobs) as pool:
+            outcomes = list(pool.map(self.run, steps))
+        return {step.name: outcome for step, outcome in zip(steps, outcomes, strict=True)}
+
+    def run(self, step: Step) -> dict:
         left = self.deadline - time.monotonic()
         if left < 10:
             outcome = {"status": "not run", "reason": "the check's time budget was spent"}
-            return self._record(name, outcome)
-        print(f"\n== {name}: {' '.join(argv[1:])}", flush=True)
+            return self._record(step.name, outcome)
+        heading = f"\n== {step.name}: {' '.join(step.argv[1:])}"
+        held = tempfile.TemporaryFile() if self.jobs > 1 else None  # noqa: SIM115  (beside another step: printed at its end)
+        if held is None:
+            print(heading, flush=True)
         start = time.monotonic()
-        process = subprocess.Popen(argv, cwd=ROOT, start_new_session=True)  # a group of its own: killed whole
+        # A group of its own: killed whole.
+        process = subprocess.Popen(step.argv, cwd=ROOT, start_new_session=True, stdout=held, stderr=held)
         try:
-            rc = process.wait(timeout=min(limit_s, left))
+            rc = process.wait(timeout=min(step.limit_s, left))
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             rc = None
+        if held is not None:
+            held.seek(0)
+            with self._lock:
+                print(heading, flush=True)
+                sys.stdout.buffer.write(held.read())
+                sys.stdout.flush()
+            held.close()
         outcome: dict = {"seconds": round(time.monotonic() - start, 1)}
         if rc is None:
-            outcome["status"] = f"timed out after {min(limit_s, left):.0f} s"
+            outcome["status"] = f"timed out after {min(step.limit_s, left):.0f} s"
         else:
             outcome["status"] = "passed" if rc == 0 else f"failed (exit {rc})"
-        if result is not None and result.exists():
-            outcome["result"] = json.loads(result.read_text())
-        elif result is not None and rc == 0:
+        if step.result is not None and step.result.exists():
+            outcome["result"] = json.loads(step.result.read_text())
+        elif step.result is not None and rc == 0:
             outcome["status"] = "failed (no result written)"
-        return self._record(name, outcome)
+        return self._record(step.name, outcome)
 
     def _record(self, name: str, outcome: dict) -> dict:
-        self.summary["steps"][name] = outcome
+        with self._lock:
+            self.summary["steps"][name] = outcome
         self.save()
         print(f"== {name}: {outcome['status']}", flush=True)
         return outcome
@@ -184,27 +220,25 @@ def run_steps(runner: Runner, args: argparse.Namespace, work: Path, models: dict
     limits = {step: s * (DRY_SLACK if args.dry_run else 1) for step, s in LIMITS.items()}
     dry = ["--dry-run"] if args.dry_run else []
     junit = work / "cuda_tests.xml"
-    tests = runner.run(
-        "cuda_tests",
-        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_cuda.py", f"--junitxml={junit}"],
-        limits["cuda_tests"],
-    )  # fmt: skip
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_cuda.py",
+              f"--junitxml={junit}"]  # fmt: skip
+    steps = [Step("cuda_tests", pytest, limits["cuda_tests"])]
+    model_args = [a for name in ("random", "real") for a in ("--model", f"{name}={models[name]}")]
+    for step in ("decode", "prefill"):
+        argv = [py, str(BENCH / "gpu_steps.py"), step, *model_args, "--result", str(work / f"{step}.json"), *dry]
+        steps.append(Step(step, argv, limits[step], work / f"{step}.json"))
+    argv = [py, str(BENCH / "gpu_kv_overlap.py"), "--model", str(models["random"]),
+            "--result", str(work / "kv_overlap.json"), *dry]  # fmt: skip
+    steps.append(Step("kv_overlap", argv, limits["kv_overlap"], work / "kv_overlap.json"))
+    argv = [py, str(BENCH / "gpu_kv_nccl.py"), "--transport", "local,grpc,collective", "--model", str(models["tiny"]),
+            "--json", str(work / "transports.json"), *(["--cpu"] if args.dry_run else [])]  # fmt: skip
+    steps.append(Step("transports", argv, limits["transports"], work / "transports.json"))
+    outcomes = runner.run_all(steps)
+    tests, transports = outcomes["cuda_tests"], outcomes["transports"]
     tests["result"] = junit_counts(junit)
     counts = tests["result"]
     if not args.dry_run and tests["status"] == "passed" and counts.get("tests") == counts.get("skipped"):
         tests["status"] = "failed (every test skipped on a CUDA machine)"
-    runner.save()
-    model_args = [a for name in ("random", "real") for a in ("--model", f"{name}={models[name]}")]
-    for step in ("decode", "prefill"):
-        argv = [py, str(BENCH / "gpu_steps.py"), step, *model_args, "--result", str(work / f"{step}.json"), *dry]
-        runner.run(step, argv, limits[step], work / f"{step}.json")
-    argv = [py, str(BENCH / "gpu_kv_overlap.py"), "--model", str(models["random"]),
-            "--result", str(work / "kv_overlap.json"), *dry]  # fmt: skip
-    runner.run("kv_overlap", argv, limits["kv_overlap"], work / "kv_overlap.json")
-    result = work / "transports.json"
-    argv = [py, str(BENCH / "gpu_kv_nccl.py"), "--transport", "local,grpc,collective", "--model", str(models["tiny"]),
-            "--json", str(result), *(["--cpu"] if args.dry_run else [])]  # fmt: skip
-    transports = runner.run("transports", argv, limits["transports"], result)
     nccl = transports.get("result", {}).get("collective", {})
     if args.dry_run:
         reason = "a dry run has no CUDA device; the same collective code ran over Gloo (transports: collective)"
@@ -247,7 +281,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"dry_run": args.dry_run, "started": datetime.now(UTC).isoformat(timespec="seconds"),
                      "environment": environment(args.dry_run), "steps": {}}  # fmt: skip
-    runner = Runner(summary, out / "gpu_check.json", budget_s)
+    runner = Runner(summary, out / "gpu_check.json", budget_s, jobs=DRY_JOBS if args.dry_run else 1)
     print(json.dumps(summary["environment"], indent=2), flush=True)
     if not args.dry_run and not summary["environment"]["cuda_available"]:
         summary["status"] = "failed: no CUDA device"

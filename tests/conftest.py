@@ -120,13 +120,17 @@ def smollm2_reference(smollm2, smollm2_hf):
 
 # Fixtures slow enough to build that every module using them runs in one worker, which builds them once.
 SHARED_SLOW_FIXTURES = {"smollm2_hf": "smollm2-hf", "smollm2_reference": "smollm2-hf"}
+# The last of the `ray` modules: it joins this process to a multi-node Ray of its own with token auth
+# forced on, and a local Ray started in this process after it takes 15-20 s longer to shut down.
+RAY_LAST = "test_node_groups"
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
     """Groups for `pytest -n 2 --dist loadgroup` (what `make test` runs): a module's tests stay in one
     worker, so its module-scoped clusters, servers and models are built once; every module marked
     `ray` shares one group, so no two Ray clusters start at once; modules that use a slow session
-    fixture share a group. The `ray` group goes first: it is the longest, the other worker takes the rest."""
+    fixture share a group. The `ray` group goes first (`RAY_LAST` at its end): it is the longest, the
+    other worker takes the rest."""
     groups: dict[str, str] = {}
     for item in items:
         module = item.path.stem
@@ -137,4 +141,5 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
             groups[module] = shared[0] if shared else module
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.path.stem]))
-    items.sort(key=lambda item: groups[item.path.stem] != "ray")  # stable: each module keeps its order
+    # Stable: each module keeps its order.
+    items.sort(key=lambda item: (groups[item.path.stem] != "ray", item.path.stem == RAY_LAST))
