@@ -110,6 +110,11 @@ class SchedulerConfig(_Part):
         gt=0,
         description="A worker whose engine makes no progress this long while it holds work reports NOT_SERVING.",
     )
+    engine_core: Literal["process", "thread"] = Field(
+        default="process",
+        description="Where a decode worker's engine steps: a process of its own, whose GIL the gRPC front never "
+        "takes (one frame per step between them), or a thread of the worker's own process.",
+    )
 
 
 class SpeculativeConfig(_Part):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 import grpc
@@ -43,21 +43,12 @@ from cluster.telemetry import Telemetry
 from cluster.tls import server_credentials
 from cluster.watchdog import Watchdog
 
-# An idle engine loop sleeps until its engine changes; it wakes this often anyway, to show the
-# watchdog it is alive.
-IDLE_WAKE_S = 0.5
-
-
-class _Scheduler(Protocol):
-    @property
-    def config(self) -> SchedulerConfig: ...
-
 
 class WorkerEngine(Protocol):
     """What the shell reads of a role's engine: its batching limits and its prefix cache's journal."""
 
     @property
-    def scheduler(self) -> _Scheduler: ...
+    def scheduler_config(self) -> SchedulerConfig: ...
 
     @property
     def kv_journal(self) -> KVJournal: ...
@@ -88,6 +79,9 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
         self.auth = auth or AuthConfig()  # the cluster secret and mutual TLS, when configured
         self.watchdog = Watchdog(self._busy, self._on_wedge, wedged_after_s)
         self.server: Server | None = None
+        # What the host does when this worker cannot go on (a decode worker whose engine core died):
+        # nothing here; a Ray actor exits its process, so Ray starts it again.
+        self.on_fatal: Callable[[], None] = lambda: None
         self._lock = threading.Lock()  # the role's request tables, and what its engine loop shares
         self._stop = threading.Event()
         self._draining = False
@@ -100,7 +94,7 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
             worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
             return ["tandem.v1.Worker", *self._add_services(server)]
 
-        config = self.engine.scheduler.config
+        config = self.engine.scheduler_config
         # A Submit holds its thread for the request's life: room for every sequence the worker may
         # hold, plus transfers, loads and health checks, which must never queue behind them.
         threads = config.max_num_seqs + config.max_waiting + 64

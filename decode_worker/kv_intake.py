@@ -32,6 +32,7 @@ import torch
 from cluster.auth import verify_capability
 from cluster.kv.transport import TransferState
 from cluster.kv.wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferError, verify_chunk
+from decode_worker.core import ProcessCore, ThreadCore
 from decode_worker.engine import Engine
 
 
@@ -45,6 +46,7 @@ class Transfer:
     deadline: float
     slots: torch.Tensor  # [num_tokens - cached] cache slots of the positions this transfer writes
     cached: int  # leading positions already in this worker's prefix cache
+    num_blocks: int = 0  # the blocks reserved for the sequence
     state: TransferState = TransferState.RESERVED
     layers: set[int] = field(default_factory=set)
     reserved_at: float = field(default_factory=time.time)
@@ -57,26 +59,26 @@ class Transfer:
 class KVIntake:
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | ThreadCore | ProcessCore,  # an engine here, or its core wherever it steps
         fingerprint: bytes,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         capability_secret: bytes | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = ThreadCore(engine) if isinstance(engine, Engine) else engine
         self.capability_secret = capability_secret  # set: every transfer needs a router-minted capability
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.clock = clock
-        model = engine.runner.model
-        arch = model.arch
+        info = self.engine.info
+        self.arch, self.kv_cache = info.arch, info.kv_cache  # the cache in shared memory for a core's process
         self.layout = {
-            "dtype": DTYPE_NAMES[engine.kv_cache[0][0].dtype],
-            "num_layers": arch.num_layers,
-            "num_kv_heads": arch.num_kv_heads,
-            "head_dim": arch.head_dim,
+            "dtype": DTYPE_NAMES[self.kv_cache[0][0].dtype],
+            "num_layers": self.arch.num_layers,
+            "num_kv_heads": self.arch.num_kv_heads,
+            "head_dim": self.arch.head_dim,
         }
-        self.block_size = engine.scheduler.blocks.block_size
+        self.block_size = info.block_size
         self._transfers: dict[str, Transfer | None] = {}  # None while its blocks are being reserved
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -120,8 +122,8 @@ class KVIntake:
             )
         positions = torch.arange(cached, header.num_tokens)
         blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
-        slots = (blocks * self.block_size + positions % self.block_size).to(self.engine.kv_cache[0][0].device)
-        transfer = Transfer(header, self.clock() + self.timeout_s, slots, cached)
+        slots = (blocks * self.block_size + positions % self.block_size).to(self.kv_cache[0][0].device)
+        transfer = Transfer(header, self.clock() + self.timeout_s, slots, cached, num_blocks=len(table))
         with self._lock:
             self._transfers[rid] = transfer
         if self._stop.is_set():  # closed while the blocks were reserved: `close` did not see this one
@@ -154,7 +156,6 @@ class KVIntake:
                 missing = header.num_layers - len(transfer.layers)
                 if missing:
                     raise TransferError(grpc.StatusCode.DATA_LOSS, f"commit with {missing} layers never received")
-                num_blocks = len(self.engine.scheduler.blocks.block_table(header.request_id))
                 logprob = None if commit.logprob is None else (commit.logprob, list(commit.top_logprobs))
                 self.engine.admit(
                     header.request_id, header.token_ids, header.sampling, commit.first_token, logprob,
@@ -169,7 +170,7 @@ class KVIntake:
             self.admitted[header.request_id] = (transfer.reserved_at, time.time(), transfer.nbytes)
             while len(self.admitted) > 4096:  # nobody collected these
                 self.admitted.pop(next(iter(self.admitted)))
-        return num_blocks
+        return transfer.num_blocks
 
     def fail(self, transfer: Transfer, error: TransferError) -> None:
         with transfer.lock:
@@ -238,7 +239,7 @@ class KVIntake:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the sender serves another model (its fingerprint differs from this worker's)",
             )
-        vocab = self.engine.runner.model.arch.vocab_size
+        vocab = self.arch.vocab_size
         if max(header.token_ids) >= vocab:
             raise TransferError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"token id {max(header.token_ids)} >= vocabulary {vocab}"
@@ -261,7 +262,7 @@ class KVIntake:
 
     def _copy_into_cache(self, transfer: Transfer, chunk: KVChunk) -> None:
         cached = transfer.cached
-        kv_cache = self.engine.kv_cache
+        kv_cache = self.kv_cache
         for j in range(chunk.layer_count):
             k_cache, v_cache = kv_cache[chunk.layer_start + j]
             _, _, heads, dim = k_cache.shape

@@ -26,16 +26,17 @@ import grpc
 from tandem.v1 import api_pb2, worker_pb2
 
 from cluster.config import AuthConfig, ClusterConfig
-from cluster.engine.speculative import build_proposer
-from cluster.engine.structured import for_tokenizer
 from cluster.grpc_server import admit_submit
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv.wire import model_fingerprint
 from cluster.telemetry import Telemetry, extract
-from cluster.worker_shell import IDLE_WAKE_S, WorkerShell, load_model_and_tokenizer
-from decode_worker.engine import Engine, RequestOutput
+from cluster.worker_shell import WorkerShell
+from decode_worker.core import Frame, ProcessCore, ThreadCore, build_engine
+from decode_worker.engine import RequestOutput
 from decode_worker.kv_intake import KVIntake
+
+Core = ThreadCore | ProcessCore
 
 FINISH = {
     None: api_pb2.FINISH_REASON_UNSPECIFIED,
@@ -80,12 +81,12 @@ def speculation_stats(out: RequestOutput) -> api_pb2.SpeculationStats:
     )
 
 
-class DecodeWorker(WorkerShell[Engine]):
+class DecodeWorker(WorkerShell[Core]):
     server_options = TCP_READ_OPTIONS
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Core,
         intake: KVIntake,
         worker_id: str,
         groups: CollectiveGroups | None = None,
@@ -95,6 +96,8 @@ class DecodeWorker(WorkerShell[Engine]):
     ) -> None:
         super().__init__(engine, worker_id, groups, telemetry, auth, wedged_after_s)
         self.intake = intake
+        if isinstance(engine, ProcessCore):
+            engine.on_exit = self._core_died
         self._streams: dict[str, queue.Queue[RequestOutput | None]] = {}
         self._early: dict[str, list[RequestOutput]] = {}  # outputs of transfers admitted before their Submit
         self._abandoned: set[str] = set()  # remote-prefill requests whose caller left before the KV arrived
@@ -111,6 +114,9 @@ class DecodeWorker(WorkerShell[Engine]):
     def _before_server_stop(self) -> None:
         self.intake.close()
 
+    def _after_server_stop(self) -> None:
+        self.engine.stop()
+
     # -- the Worker service ------------------------------------------------------------------------
 
     def Submit(
@@ -119,11 +125,9 @@ class DecodeWorker(WorkerShell[Engine]):
         submitted = time.time()
         parent = extract(context.invocation_metadata())
         rid = request.request_id
-        scheduler = self.engine.scheduler
-        waiting = len(scheduler.waiting) + self.intake.in_flight
-        params = admit_submit(
-            context, self.worker_id, self._draining, request.sampling, waiting, scheduler.config.max_waiting
-        )
+        waiting = self.engine.occupancy.waiting + self.intake.in_flight
+        max_waiting = self.engine.scheduler_config.max_waiting
+        params = admit_submit(context, self.worker_id, self._draining, request.sampling, waiting, max_waiting)
         stream: queue.Queue[RequestOutput | None] = queue.Queue()
         with self._lock:
             if rid in self._streams:
@@ -243,23 +247,28 @@ class DecodeWorker(WorkerShell[Engine]):
             self._early.pop(rid, None)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.watchdog.progress()
-            seen = self.engine.changes.version  # read first: a change from here on wakes the wait below
-            if not self.engine.has_unfinished:  # asleep until a request, an admission or an abort arrives
-                self.engine.changes.wait(seen, IDLE_WAKE_S)
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:
-                with self._lock:
-                    streams = list(self._streams.values())
-                for stream in streams:
-                    stream.put(None)
-                time.sleep(0.1)
-                continue
-            for out in outputs:
-                self._route(out)
+        self.engine.run(self._on_frame, self._stop)
+
+    def _on_frame(self, frame: Frame) -> None:
+        """One turn of the engine loop: each output to its request's stream; a failed step fails
+        every stream (the router moves their requests)."""
+        self.watchdog.progress()
+        if frame.failed is not None:
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(None)
+            return
+        for out in frame.outputs:
+            self._route(out)
+
+    def _core_died(self) -> None:
+        """The engine core process is gone (its streams have failed): this worker serves nothing more."""
+        self._draining = True
+        self.engine.changes.bump()  # the load says so
+        if self.server is not None:
+            self.server.set_serving(False)
+        self.on_fatal()
 
     def _route(self, out: RequestOutput) -> None:
         with self._lock:
@@ -277,24 +286,22 @@ class DecodeWorker(WorkerShell[Engine]):
 
 
 def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
-    """A decode worker for the config's model, cache, batching and transfer settings (not started)."""
-    m = config.model
-    model, tokenizer = load_model_and_tokenizer(m)
-    spec = config.speculative
-    proposer = build_proposer(spec, model, config.cache.block_size, m.seed, m.compile_buckets)
-    engine = Engine(
-        model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
-        compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
-        grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids),
-    )  # fmt: skip
-    engine.warm_up()
+    """A decode worker for the config's model, cache, batching and transfer settings (not started);
+    its engine in a process of its own unless `scheduler.engine_core` is "thread"."""
+    if config.scheduler.engine_core == "process":
+        core: Core = ProcessCore.spawn(config, worker_id)
+        fingerprint = core.info.fingerprint
+    else:
+        engine = build_engine(config)
+        core, fingerprint = ThreadCore(engine), model_fingerprint(engine.runner.model, engine.runner.model.arch)
     t = config.transfer
     secret = config.auth.cluster_secret
     intake = KVIntake(
-        engine, model_fingerprint(model, model.arch), timeout_s=t.timeout_s,
+        core, fingerprint, timeout_s=t.timeout_s,
         capability_secret=secret.get_secret_value().encode() if secret else None,
     )  # fmt: skip
+    m = config.model
     groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
     wedged = config.scheduler.wedged_after_s
-    return DecodeWorker(engine, intake, worker_id, groups, telemetry, config.auth, wedged)
+    return DecodeWorker(core, intake, worker_id, groups, telemetry, config.auth, wedged)

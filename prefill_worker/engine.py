@@ -108,6 +108,10 @@ class PrefillEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self.scheduler.held)
 
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
     def add_request(
         self,
         request_id: str,

@@ -67,7 +67,7 @@ def test_clients_need_a_valid_key_and_health_stays_open(cluster):
         with Client(address, api_key=key) as client:
             done = client.generate(list(range(10, 40)), max_tokens=3, temperature=0)  # prefilled remotely
         assert len(done.token_ids) == 3 and done.metadata["tandem-prefill"].startswith("remote")
-    assert decode.engine.scheduler.blocks.num_free_blocks == 64
+    assert decode.engine.occupancy.free_blocks == 64
 
 
 def test_workers_refuse_calls_without_the_cluster_secret(cluster):
@@ -83,8 +83,7 @@ def test_workers_refuse_calls_without_the_cluster_secret(cluster):
 
 
 def push(address: str, decode, capability: bytes, request_id: str = "r", secret: str | None = SECRET):
-    model = decode.engine.runner.model
-    arch = model.arch
+    arch = decode.engine.info.arch
     header = KVHeader(
         request_id, decode.intake.fingerprint, "float32", arch.num_layers, arch.num_kv_heads, arch.head_dim,
         16, tuple(range(5, 45)), SamplingParams(max_tokens=512), capability=capability,  # still running when cancelled
@@ -117,14 +116,14 @@ def test_kv_pushes_need_a_genuine_capability_for_their_request(cluster):
     for name, (capability, code) in cases.items():
         stream = push(address, decode, capability)
         assert stream.state is TransferState.FAILED and stream.error.code is code, (name, stream.error)
-        assert decode.engine.scheduler.blocks.num_free_blocks == 64, f"{name}: a block was reserved"
+        assert decode.engine.occupancy.free_blocks == 64, f"{name}: a block was reserved"
         assert decode.intake.in_flight == 0
     no_secret = push(address, decode, mint_capability(secret, "r", 40, 16, ttl_s=60), secret=None)
     assert no_secret.error.code is grpc.StatusCode.UNAUTHENTICATED
     good = push(address, decode, mint_capability(secret, "r", 40, 16, ttl_s=60))
     assert good.state is TransferState.DONE, good.error
     assert decode._cancel("r")
-    assert decode.engine.scheduler.blocks.num_free_blocks == 64
+    assert decode.engine.occupancy.free_blocks == 64
 
 
 def test_tls_and_mutual_tls_with_the_generated_certificates(tmp_path):

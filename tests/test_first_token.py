@@ -129,7 +129,7 @@ def test_the_first_token_reaches_the_client_before_the_decode_worker_admits(clus
         deltas, thread = stream_on_thread(addresses[True], SAMPLINGS[kind])
         first = deltas.get(timeout=60)
         assert not isinstance(first, Exception), first
-        assert held.committed == committed and not decode.engine.scheduler.running  # not admitted yet
+        assert held.committed == committed and not decode.engine.occupancy.running  # not admitted yet
         assert first.token_ids == expected[0][:1]
         assert held.waiting.wait(30)  # the transfer reached its commit, which is held
     finally:
@@ -160,7 +160,7 @@ def test_a_transfer_that_fails_after_the_first_token_streamed_is_migrated(cluste
     decode, held, routers, addresses = cluster
     router = routers[True]
     expected = fault_free(addresses[True], SAMPLINGS[kind])
-    free = decode.engine.scheduler.blocks.num_free_blocks
+    free = decode.engine.occupancy.free_blocks
     migrations = router.telemetry.metrics.migrations.labels("prefill")._value.get()
     held.hold.clear()
     try:
@@ -176,4 +176,4 @@ def test_a_transfer_that_fails_after_the_first_token_streamed_is_migrated(cluste
     assert [*first.token_ids, *tokens] == expected[0]
     assert first.text + text == expected[1]
     assert router.telemetry.metrics.migrations.labels("prefill")._value.get() == migrations + 1
-    assert decode.engine.scheduler.blocks.num_free_blocks == free  # the failed transfer's blocks came back
+    assert decode.engine.occupancy.free_blocks == free  # the failed transfer's blocks came back

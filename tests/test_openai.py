@@ -175,11 +175,11 @@ def test_a_client_that_disconnects_frees_its_kv(served):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600, "stream": True, "ignore_eos": True}
     conn, response = raw(base, "POST", "/v1/chat/completions", body)
     assert response.status == 200 and response.readline().startswith(b"data: ")
-    assert decode.engine.scheduler.blocks.num_free_blocks < 128
+    assert decode.engine.occupancy.free_blocks < 128
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
     deadline = time.monotonic() + 5
-    while decode.engine.scheduler.blocks.num_free_blocks < 128:
+    while decode.engine.occupancy.free_blocks < 128:
         assert time.monotonic() < deadline, "the disconnected request's KV should be freed"
         time.sleep(0.05)
 

@@ -85,7 +85,7 @@ def test_overload_is_refused_before_the_stream_and_leaks_nothing():
         assert all(code is grpc.StatusCode.RESOURCE_EXHAUSTED and before == 0 for _, code, before in refused)
         assert all(len(tokens) == 40 for tokens, _, _ in served)
         assert router._in_flight == 0
-        assert decode.engine.scheduler.blocks.num_free_blocks == 256, "KV blocks back to idle"
+        assert decode.engine.occupancy.free_blocks == 256, "KV blocks back to idle"
         assert not decode._streams and not decode.engine.has_unfinished
     finally:
         stop()
@@ -93,11 +93,13 @@ def test_overload_is_refused_before_the_stream_and_leaks_nothing():
 
 def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
     address, router, decode, stop = start_cluster(
-        scheduler={"max_waiting": 2, "max_num_seqs": 2}, router={"local_prefill_max_tokens": 100}
+        scheduler={"max_waiting": 2, "max_num_seqs": 2, "engine_core": "thread"},  # its step is held in this process
+        router={"local_prefill_max_tokens": 100},
     )
     release = threading.Event()
-    step = decode.engine.step
-    decode.engine.step = lambda: (release.wait(), step())[1]  # hold the engine while the queue fills
+    engine = decode.engine.engine
+    step = engine.step
+    engine.step = lambda: (release.wait(), step())[1]  # hold the engine while the queue fills
     try:
         stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
         results = {}
@@ -116,7 +118,7 @@ def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
         refused = [r for r in results.values() if r[1] is not None]
         assert refused and all(c is grpc.StatusCode.RESOURCE_EXHAUSTED and n == 0 for _, c, n in refused)
         assert all(len(t) == 60 for t, c, _ in results.values() if c is None)
-        assert decode.engine.scheduler.blocks.num_free_blocks == 256 and router._in_flight == 0
+        assert decode.engine.occupancy.free_blocks == 256 and router._in_flight == 0
     finally:
         release.set()
         stop()
@@ -125,12 +127,15 @@ def test_a_worker_refuses_past_its_own_queue_bound_before_any_token():
 def test_kv_pressure_preempts_and_outputs_do_not_change():
     """Greedy and seeded sampled requests (every other one, each with its own seed) preempted and
     recomputed give the tokens of an unloaded run."""
-    address, _, decode, stop = start_cluster(cache={"num_blocks": 20}, router={"local_prefill_max_tokens": 1000})
+    address, _, decode, stop = start_cluster(
+        cache={"num_blocks": 20}, router={"local_prefill_max_tokens": 1000},
+        scheduler={"engine_core": "thread"},  # its preemptions are counted in this process
+    )  # fmt: skip
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(20, 60))] for _ in range(10)]
     sampling = [{"temperature": 0.8, "seed": 50 + i} if i % 2 else {} for i in range(len(prompts))]
     preempted: list[int | None] = []  # the seeds of preempted requests
-    scheduler = decode.engine.scheduler
+    scheduler = decode.engine.engine.scheduler
     preempt = scheduler._preempt
     scheduler._preempt = lambda request: (preempted.append(request.params.seed), preempt(request))[1]
     try:
@@ -232,7 +237,7 @@ def test_malformed_bytes_are_invalid_argument_and_oversize_is_refused(fuzz_targe
         with pytest.raises(grpc.RpcError) as e:
             list(raw(b"\x12" + b"\xff\xff\xff\x7f" + b"a" * (300 << 20), timeout=30))
         assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert decode.engine.scheduler.blocks.num_free_blocks == 256
+    assert decode.engine.occupancy.free_blocks == 256
 
 
 def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
@@ -241,11 +246,13 @@ def test_a_wedged_engine_turns_health_not_serving_and_gets_no_requests():
     from router.placement.placement import NoCapacity
 
     address, router, decode, stop = start_cluster(
-        scheduler={"wedged_after_s": 0.5}, router={"local_prefill_max_tokens": 100}
+        scheduler={"wedged_after_s": 0.5, "engine_core": "thread"},  # its step hangs in this process
+        router={"local_prefill_max_tokens": 100},
     )
     release = threading.Event()
-    step = decode.engine.step
-    decode.engine.step = lambda: (release.wait(), step())[1]  # the engine hangs on its next step
+    engine = decode.engine.engine
+    step = engine.step
+    engine.step = lambda: (release.wait(), step())[1]  # the engine hangs on its next step
     try:
         stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(address))
         stuck = threading.Thread(target=generate, args=(stub, [5, 6, 7], 5))
@@ -300,6 +307,6 @@ def test_two_requests_with_the_same_client_id_both_complete():
         for t in threads:
             t.join()
         assert len(results) == 3 and results[0] == results[1] == results[2] and len(results[0]) == 30
-        assert decode.engine.scheduler.blocks.num_free_blocks == 256 and router.in_flight == 0
+        assert decode.engine.occupancy.free_blocks == 256 and router.in_flight == 0
     finally:
         stop()

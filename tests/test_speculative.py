@@ -145,10 +145,11 @@ def test_a_decode_worker_with_compile_buckets_compiles_them_before_serving(demo)
         "model": {"path": str(DEMO), "dtype": "float32", "compile_buckets": [8]},
         "cache": {"block_size": 4, "num_blocks": 400},
         "speculative": {"method": "draft", "draft_model": str(DRAFT), "draft_memory_gib": 0.01, "num_tokens": 3},
+        "scheduler": {"engine_core": "thread"},  # its engine is stepped and inspected here
     })  # fmt: skip
     worker = service.from_config(config, "decode-0")
     try:
-        engine = worker.engine
+        engine = worker.engine.engine
         proposer = engine.proposer
         assert isinstance(proposer, DraftProposer) and proposer.compiled is not None
         assert engine.runner.compiled is not None and engine.runner.compiled.buckets == [8]

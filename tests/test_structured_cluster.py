@@ -166,8 +166,8 @@ def tight():
 def test_under_preemption_every_kind_validates_and_equals_one_engine(tight, reference):
     address, decode, prefill = tight
     assert_undisturbed(*run_all(address), reference)
-    assert decode.engine.scheduler.stats.num_preemptions > 0, "the KV budget should force preemptions"
-    assert decode.engine.scheduler.blocks.num_free_blocks == decode.engine.num_blocks
+    assert decode.engine.occupancy.preemptions > 0, "the KV budget should force preemptions"
+    assert decode.engine.occupancy.free_blocks == decode.engine.occupancy.total_blocks
     deadline = time.monotonic() + 10
     while prefill.engine.scheduler.held:  # each transfer's answer releases the prefill worker's blocks
         assert time.monotonic() < deadline, "the prefill worker still holds sent KV"
@@ -192,8 +192,8 @@ def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
         with pytest.raises(InvalidArgument, match="beam search"):
             client.generate(PROMPTS[0], max_tokens=8, num_beams=2, structured=Regex("a+"))
     for w in decodes.values():
-        assert w.engine.scheduler.blocks.num_free_blocks == w.engine.num_blocks
-        assert not w.engine.scheduler.requests
+        assert w.engine.occupancy.free_blocks == w.engine.occupancy.total_blocks
+        assert w.engine.occupancy.running == w.engine.occupancy.waiting == 0
     assert not prefill.engine.scheduler.held and not prefill.engine.scheduler.has_work
 
 
@@ -205,7 +205,7 @@ def test_a_decode_worker_stopped_mid_stream_loses_nothing(cluster, reference):
     threads, results, errors = run_all(address, progress)
     victim = decodes["decode-0"]
     deadline = time.monotonic() + 120
-    while sum(1 for n in progress.values() if n >= 3) < 4 or not victim.engine.scheduler.requests:
+    while sum(1 for n in progress.values() if n >= 3) < 4 or not victim.engine.occupancy.running:
         assert time.monotonic() < deadline, "the load never got going on decode-0"
         time.sleep(0.01)
     before = router.telemetry.metrics.migrations.labels("decode")._value.get()

@@ -55,6 +55,17 @@ POOLS = ("decode", "prefill")
 Controller = ray.remote(num_cpus=0)(Registry)
 
 
+WORKER_FATAL_EXIT = 70  # a worker process's exit status when its worker cannot go on (its engine core died)
+
+
+def _exit_for_a_restart() -> None:
+    """The worker cannot go on: its process exits, so Ray starts the actor again (the routers have
+    moved its requests once their streams broke)."""
+    logging.getLogger("tandem.cluster").error("this worker cannot go on; exiting so that Ray restarts it")
+    logging.shutdown()
+    os._exit(WORKER_FATAL_EXIT)
+
+
 @ray.remote(max_restarts=-1)
 class WorkerActor:
     """One prefill or decode worker: builds it from the config, serves gRPC, registers itself."""
@@ -62,6 +73,7 @@ class WorkerActor:
     def __init__(self, role: str, name: str, config_json: str, host: str, namespace: str) -> None:
         config = ClusterConfig.model_validate_json(config_json)
         self.worker = importlib.import_module(ROLES[role]).from_config(config, name)
+        self.worker.on_fatal = _exit_for_a_restart
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
         self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
         ray.get_actor(CONTROLLER, namespace=namespace).register.remote(name, role, self.address)

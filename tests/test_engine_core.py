@@ -1,0 +1,209 @@
+"""The decode engine in a process of its own (`decode_worker.core.ProcessCore`): it streams what the
+engine in this process streams, one frame per turn; its errors cross the pipe as the engine raises
+them; an abort's blocks are free when the call returns; a core that dies takes its worker out of
+service and its requests move; a client that reads nothing holds up neither the engine nor the
+other streams. The demo model, real gRPC, no Ray."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from tandem.v1 import api_pb2, api_pb2_grpc
+
+from cluster.config import parse_config
+from cluster.engine.request import SamplingParams
+from decode_worker import service as decode_service
+from decode_worker.core import Frame, ProcessCore, build_engine
+from router.sdk.client import Client
+from router.service.server import from_config
+from tests.conftest import drive
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "tandem-demo-code"
+
+pytestmark = pytest.mark.slow
+
+
+def config(**scheduler):
+    return parse_config({
+        "model": {"path": str(DEMO), "dtype": "float32"},
+        "cache": {"block_size": 16, "num_blocks": 256},
+        "scheduler": scheduler,
+        "router": {"local_prefill_max_tokens": 4096, "migration_limit": 3},
+    })  # fmt: skip
+
+
+class Frames:
+    """Runs a core's frame reader on a thread, keeping every frame and each request's tokens."""
+
+    def __init__(self, core: ProcessCore) -> None:
+        self.core, self.frames, self.tokens, self.finished = core, [], {}, {}
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=core.run, args=(self.take, self.stopped), daemon=True)
+        self.thread.start()
+
+    def take(self, frame: Frame) -> None:
+        self.frames.append(frame)
+        for out in frame.outputs:
+            self.tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                self.finished[out.request_id] = out
+
+    def wait_for(self, ids, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not set(ids) <= set(self.finished):
+            assert time.monotonic() < deadline, f"unfinished: {set(ids) - set(self.finished)}"
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def core():
+    core = ProcessCore.spawn(config(), "decode-test")
+    frames = Frames(core)
+    yield core, frames
+    frames.stopped.set()
+    core.stop()
+    frames.thread.join(10)
+    assert not core.process.is_alive()
+
+
+def requests() -> dict[str, tuple[list[int], SamplingParams]]:
+    return {
+        "greedy": (list(range(10, 40)), SamplingParams(max_tokens=24, temperature=0.0)),
+        "seeded": (list(range(50, 70)), SamplingParams(max_tokens=20, temperature=0.8, seed=7)),
+        "stop": (list(range(100, 117)), SamplingParams(max_tokens=30, temperature=0.0, stop=["\n"])),
+        "short": ([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)),
+    }
+
+
+def test_the_core_streams_what_the_engine_in_this_process_streams(core):
+    core, frames = core
+    engine = build_engine(config())
+    expected, finals = drive(engine, requests())
+    for rid, (prompt, params) in requests().items():
+        core.add_request(rid, prompt, params)
+    frames.wait_for(requests())
+    assert {rid: frames.tokens[rid] for rid in requests()} == expected
+    assert {rid: out.finish_reason for rid, out in frames.finished.items() if rid in requests()} == {
+        rid: out.finish_reason for rid, out in finals.items()
+    }
+    assert sum(1 for f in frames.frames if f.outputs) <= core.steps, "one frame per step, never one per token"
+    assert core.kv_journal.held() == engine.kv_journal.held(), "Watch's mirror holds what the core's cache holds"
+    assert core.occupancy.free_blocks == core.occupancy.total_blocks == 256
+    assert not core.has_unfinished
+
+
+def test_the_engines_errors_cross_the_pipe(core):
+    core, _ = core
+    with pytest.raises(ValueError, match="reach max_tokens"):
+        core.add_request("done-already", [1, 2, 3, 4], SamplingParams(max_tokens=2), [9, 9])
+    table, cached = core.reserve("moved", list(range(40)), SamplingParams(max_tokens=8))
+    assert len(table) == 3 and cached >= 0
+    with pytest.raises(KeyError, match="already in use"):
+        core.reserve("moved", list(range(40)), SamplingParams(max_tokens=8))
+    core.release("moved")
+    assert core.occupancy.free_blocks == 256, "the release shows in the load when the call returns"
+    assert core.abort("never-here") is False
+
+
+def test_an_aborted_requests_blocks_are_free_when_the_abort_returns(core):
+    core, frames = core
+    core.add_request("long", list(range(10, 80)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while len(frames.tokens.get("long", [])) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert core.occupancy.free_blocks < 256
+    assert core.abort("long") is True
+    assert core.occupancy.free_blocks == 256 and core.occupancy.running == 0
+
+
+def reference_tokens(prompts: list[str], max_tokens: int) -> list[list[int]]:
+    worker = decode_service.from_config(config(engine_core="thread"), "reference")
+    workers = {"reference": worker.start()}
+    router = from_config(config(), lambda: workers)
+    address = router.start()
+    try:
+        with Client(address, timeout=120) as client:
+            return [client.generate(p, max_tokens=max_tokens, temperature=0.0).token_ids for p in prompts]
+    finally:
+        router.stop()
+        worker.stop()
+
+
+def test_a_core_that_dies_takes_its_worker_out_and_its_requests_move():
+    prompts = [f"def f{i}(x):" for i in range(6)]
+    expected = reference_tokens(prompts, 120)
+    victim = decode_service.from_config(config(), "decode-0")
+    other = decode_service.from_config(config(engine_core="thread"), "decode-1")
+    fatal = threading.Event()
+    victim.on_fatal = fatal.set
+    workers = {"decode-0": victim.start(), "decode-1": other.start()}
+    router = from_config(config(), lambda: workers)
+    address = router.start()
+    results: dict[int, list[int]] = {}
+    try:
+        with Client(address, timeout=120) as client:
+
+            def run(i: int) -> None:
+                results[i] = client.generate(prompts[i], max_tokens=120, temperature=0.0).token_ids
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while victim.engine.steps < 10:
+                assert time.monotonic() < deadline, "decode-0 never got going"
+                time.sleep(0.01)
+            os.kill(victim.engine.process.pid, signal.SIGKILL)
+            for t in threads:
+                t.join(120)
+        assert fatal.wait(10), "the worker calls its on_fatal when its core dies"
+        assert [results[i] for i in range(len(prompts))] == expected
+        assert router.telemetry.metrics.migrations.labels("decode")._value.get() >= 1
+        assert victim.load().draining and not victim.engine.process.is_alive()
+    finally:
+        router.stop()
+        victim.stop()
+        other.stop()
+
+
+def test_a_client_that_reads_nothing_holds_up_neither_the_engine_nor_the_other_streams():
+    worker = decode_service.from_config(config(), "decode-0")
+    workers = {"decode-0": worker.start()}
+    router = from_config(config(), lambda: workers)
+    address = router.start()
+    channel = grpc.insecure_channel(address)
+    try:
+        held = api_pb2_grpc.TandemStub(channel).Generate(
+            api_pb2.GenerateRequest(
+                text="def held(x):", sampling=api_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+            ),
+            timeout=120,
+        )  # nothing read from it yet
+        with Client(address, timeout=120) as client:
+            started = time.monotonic()
+            replies = [
+                client.generate(f"def f{i}(x):", max_tokens=40, temperature=0.0, ignore_eos=True) for i in range(3)
+            ]
+            others_s = time.monotonic() - started
+        assert all(len(r.token_ids) == 40 for r in replies), "the other streams ran to their end"
+        deadline = time.monotonic() + 60
+        while worker.engine.has_unfinished or worker.engine.occupancy.running:
+            assert time.monotonic() < deadline, "the held client's request never finished in the engine"
+            time.sleep(0.01)
+        steps = worker.engine.steps
+        tokens = [t for message in held for t in message.token_ids]  # read at last: every token, in order
+        assert len(tokens) == 200
+        assert worker.engine.steps == steps, "the engine had finished before the held client read a token"
+        print(f"\nthree 40-token streams beside a held client: {others_s:.2f} s; engine steps {steps}")
+    finally:
+        channel.close()
+        router.stop()
+        worker.stop()
