@@ -33,6 +33,7 @@ def cluster(tmp_path_factory):
     config = parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": 16, "num_blocks": 64},
             "router": {"local_prefill_max_tokens": 4},
             "auth": {"api_keys": [KEY], "api_keys_file": str(keys), "cluster_secret": SECRET},
@@ -133,6 +134,7 @@ def test_tls_and_mutual_tls_with_the_generated_certificates(tmp_path):
     config = parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": 16, "num_blocks": 64},
             "router": {"local_prefill_max_tokens": 4},
             "auth": {"tls_cert": str(certs["cert"]), "tls_key": str(certs["key"]), "tls_ca": str(certs["ca"])},

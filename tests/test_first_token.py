@@ -34,6 +34,7 @@ def config(first_token_from_prefill: bool = True):
     return parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": 16, "num_blocks": 128},
             "transfer": {"transport": "grpc", "timeout_s": 20},
             "router": {"local_prefill_max_tokens": 0, "first_token_from_prefill": first_token_from_prefill},

@@ -31,6 +31,7 @@ def config(routing: str = "kv"):
     return parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": BLOCK, "num_blocks": 256},
             "transfer": {"transport": "grpc", "timeout_s": 20},
             "router": {"local_prefill_max_tokens": LOCAL_MAX, "prefix_routing": routing},

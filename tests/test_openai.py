@@ -35,6 +35,7 @@ def served():
     config = parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": 16, "num_blocks": 128},
             "router": {"local_prefill_max_tokens": 4, "max_queued_requests": 4},
             "auth": {"api_keys": [KEY]},

@@ -69,6 +69,7 @@ def cluster(smollm2):
     config = parse_config(
         {
             "model": {"path": str(smollm2), "dtype": "float32", "name": "smollm2"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": 16, "num_blocks": 256},
             "router": {"local_prefill_max_tokens": 64},  # short prompts here, long ones (tools) remote
         }

@@ -33,6 +33,7 @@ def cluster(tmp_path_factory):
     config = parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
+            "scheduler": {"engine_core": "thread"},  # the core process: test_engine_core.py, the Ray modules
             "cache": {"block_size": 16, "num_blocks": 256},
             "speculative": {"method": "draft", "draft_model": str(DRAFT), "num_tokens": 4, "draft_memory_gib": 0.02},
             "router": {"local_prefill_max_tokens": 8},
