@@ -295,12 +295,8 @@ def build_engine(config: ClusterConfig, shared: bool = False) -> Engine:
     engine = Engine(
         model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
         compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
-        grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids),
+        grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids), shared_kv=shared,
     )  # fmt: skip
-    if shared:
-        for k_cache, v_cache in engine.kv_cache:  # in place, before anything captures the tensors
-            k_cache.share_memory_()
-            v_cache.share_memory_()
     engine.warm_up()
     return engine
 

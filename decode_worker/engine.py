@@ -94,6 +94,7 @@ class Engine:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         grammars: Grammars | None = None,
+        shared_kv: bool = False,  # the KV cache in shared memory, for a front in another process
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
         self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
@@ -107,7 +108,15 @@ class Engine:
             CompiledDecode(model, compile_buckets, cache.block_size, self.num_blocks) if compile_buckets else None
         )
         self.runner = ModelRunner(
-            model, self.num_blocks, cache.block_size, sampler, compiled, cache.kv_dtype, eos_token_ids, grammars
+            model,
+            self.num_blocks,
+            cache.block_size,
+            sampler,
+            compiled,
+            cache.kv_dtype,
+            eos_token_ids,
+            grammars,
+            shared_kv,
         )
         self.tokenizer = tokenizer
         self.max_num_seqs = scheduler.max_num_seqs

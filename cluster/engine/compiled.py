@@ -22,8 +22,8 @@ import bisect
 from collections.abc import Sequence
 
 import torch
-import torch._inductor.config as inductor_config
 
+from cluster.model import cpu_kernels
 from cluster.model.attention import KVCache, SeqChunk, build_attention_metadata
 from cluster.model.causal_lm import CausalLM
 
@@ -41,6 +41,8 @@ class CompiledDecode:
         # One graph per bucket and model (every instance compiles the same function); keep dynamo
         # from falling back to eager past its limit.
         torch._dynamo.config.recompile_limit += 2 * len(self.buckets)
+        for probe in (cpu_kernels.available, cpu_kernels.used):  # the graphs take their answers as given
+            torch.compiler.assume_constant_result(probe)
         self._forward = torch.compile(self._logits, mode="max-autotune", fullgraph=True, dynamic=False)
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -66,6 +68,8 @@ class CompiledDecode:
         if self._warm:  # every graph is built: inductor's settings no longer matter
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return self._forward(ids, meta.positions, kv_cache, meta)[:n]
+        import torch._inductor.config as inductor_config  # here: importing inductor takes a second
+
         with inductor_config.patch(
             freezing=True,
             autotune_num_choices_displayed=0,

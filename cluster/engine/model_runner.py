@@ -59,6 +59,7 @@ class ModelRunner:
         kv_dtype: str = "auto",
         eos_token_ids: Sequence[int] = (),
         grammars: Grammars | None = None,
+        shared_kv: bool = False,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -67,7 +68,7 @@ class ModelRunner:
         # One block past the block manager's range: the scratch block that compiled padding rows use.
         self.kv_cache = allocate_kv_cache(
             arch.num_layers, num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim,
-            model.embed_tokens.weight.dtype, self.device, kv_dtype,
+            model.embed_tokens.weight.dtype, self.device, kv_dtype, shared_kv,
         )  # fmt: skip
         self.sampler = sampler
         self.compiled = compiled

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_numpy  # not llguidance.torch: importing it compiles a kernel we do not use
 import torch
 
 from cluster.engine.request import Constraint
@@ -105,7 +105,7 @@ class Matcher:
             elif j > consumed:  # past a draft token the matcher refused: never reached by verification
                 bitmask[row + j] = -1
             else:
-                llg_torch.fill_next_token_bitmask(self._m, bitmask, row + j)
+                llg_numpy.fill_next_token_bitmask(self._m, bitmask.numpy(), row + j)
             if j < len(draft) and j == consumed and not self._m.is_error():
                 consumed += self._m.try_consume_tokens([draft[j]])
         if consumed:
@@ -243,7 +243,7 @@ class Grammars:
         for the limits fails here (most at their first token), so it is refused where it is
         checked, not on the worker in the middle of a batch. Returns the error, or ""."""
         bitmask = torch.zeros(1, self.words, dtype=torch.int32)
-        llg_torch.fill_next_token_bitmask(m, bitmask, 0)
+        llg_numpy.fill_next_token_bitmask(m, bitmask.numpy(), 0)
         words = (bitmask[0] & ~self._eos_only).nonzero()
         if not m.is_error() and len(words):
             word = int(words[0])

@@ -19,6 +19,7 @@ pass, not per layer, and no Python loop runs over sequences inside a layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,17 +78,30 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     kv_dtype: str = "auto",
+    shared: bool = False,
 ) -> KVCache:
-    """Zeroed key and value tensors per layer, in `dtype`, or ("int8") quantised rows with their scales."""
+    """Zeroed key and value tensors per layer, in `dtype`, or ("int8") quantised rows with their scales.
+    `shared` (CPU only): in shared memory, for another process to write into (see `shared_zeros`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
     if kv_dtype == "int8":
         dtype, head_dim = torch.uint8, head_dim + KV_SCALE_BYTES
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if shared and torch.device(device).type == "cpu":
+        return [(shared_zeros(shape, dtype), shared_zeros(shape, dtype)) for _ in range(num_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in shared memory, its pages the system's zeros until written: a pool of
+    gigabytes costs nothing to make (zeroing it, then copying it into shared memory with
+    `share_memory_`, took seconds a gigabyte)."""
+    numel = math.prod(shape)
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def as_decode_rows(chunks: Sequence[SeqChunk]) -> list[SeqChunk]:

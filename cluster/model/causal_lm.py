@@ -69,8 +69,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies [head_dim / 2], with linear or Llama-3 scaling applied, on the CPU (even
+    under a meta-device model build, whose arithmetic would import torch's compiler)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.type == "linear":
         return inv_freq / rope.factor
     if rope.type != "llama3":
@@ -150,10 +152,13 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The decoder stack plus the LM head. Parameter names follow `cluster.model.loader`'s table."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, draw_weights: bool = True) -> None:
+        """`draw_weights=False`: the embedding is left empty, not drawn at random, for a loader that
+        fills every weight (drawing on the meta device imports torch's compiler, a second's work)."""
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        given = None if draw_weights else torch.empty(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=given)
         self.layers = nn.ModuleList(DecoderLayer(arch, w) for w in arch.sliding_windows)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)

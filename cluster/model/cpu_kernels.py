@@ -34,7 +34,6 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "avx512": the CPU has AVX-512F
 
 
-@torch.compiler.assume_constant_result  # compiled graphs take the answer as given at trace time
 def available() -> bool:
     """Builds (first call only) and loads the kernels; False where they cannot be built."""
     if "loaded" in _state:
@@ -45,7 +44,6 @@ def available() -> bool:
     return _state["loaded"]
 
 
-@torch.compiler.assume_constant_result
 def used() -> bool:
     """Whether the model routes through the kernels: built, on a CPU with AVX-512. Elsewhere their
     plain loops (kept so they build and agree everywhere) are several times slower than torch's

@@ -130,7 +130,7 @@ def float_state(arch: ModelArch, tensors: dict[str, Any]) -> dict[str, torch.Ten
 def expected_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> the shape the model wants."""
     with torch.device("meta"):
-        params = dict(CausalLM(arch).named_parameters())
+        params = dict(CausalLM(arch, draw_weights=False).named_parameters())
     shapes = {}
     for hf, target in weight_table(arch).items():
         shape = tuple(params[target.param].shape)
@@ -157,7 +157,7 @@ def q4_parts(tensor: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarra
 
 def linear_modules(arch: ModelArch) -> set[str]:
     with torch.device("meta"):
-        model = CausalLM(arch)
+        model = CausalLM(arch, draw_weights=False)
     return {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 

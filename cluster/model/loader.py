@@ -108,7 +108,7 @@ def load_model(
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     arch = ModelArch.from_folder(folder)
     with torch.device("meta"):
-        model = CausalLM(arch)
+        model = CausalLM(arch, draw_weights=False)
     model = model.to_empty(device=device).to(DTYPES[dtype])
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties; tie again
