@@ -7,7 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from cluster.engine.request import SamplingParams
-from decode_worker.engine import Engine, RequestOutput
+from decode_worker.engine import Engine
+from decode_worker.text import RequestOutput
 
 
 class AsyncEngine:

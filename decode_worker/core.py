@@ -10,7 +10,8 @@ Either hands the front one `Frame` per step: every request's new outputs, the lo
 and what the prefix cache stored and evicted. The front (`decode_worker.service`) routes the outputs
 to their streams and feeds Watch from the frames; it never polls the engine. Both take the same
 calls (`add_request`, `abort`, and the KV intake's `reserve`, `release`, `admit`), which raise
-what the engine raises.
+what the engine raises, and both give each output its text and stop strings on the front's side
+(`CoreHandle`): the core never detokenises. The core process's own side is `decode_worker.engine_loop`.
 
 In a process of its own the engine's paged KV cache lives in shared memory: the front's KV intake
 writes received layers straight into the blocks the core reserved, with no copy of the bytes across
@@ -26,11 +27,9 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
-import pickle
 import threading
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.multiprocessing  # noqa: F401  (its reductions send the shared KV cache over the pipe)
@@ -38,45 +37,83 @@ import torch.multiprocessing  # noqa: F401  (its reductions send the shared KV c
 from cluster.config import ClusterConfig, SchedulerConfig, dump_config
 from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.kv_events import KVBatch, KVJournal
-from cluster.model.arch import ModelArch
-from decode_worker.engine import Engine, RequestOutput
+from cluster.engine.request import SamplingParams
+from cluster.engine.sampler import TokenLogprob
+from decode_worker.engine import Engine
+from decode_worker.engine_loop import IDLE_WAKE_S, CoreInfo, Frame, OnFrame, core_main
+from decode_worker.text import RequestOutput, TextStreams
 
 log = logging.getLogger(__name__)
 
-# An idle core sleeps on its commands; it wakes this often anyway (the front's watchdog sees it alive).
-IDLE_WAKE_S = 0.5
+
+class CoreHandle:
+    """What the front's handle on an engine core does on its side of the calls: each request's text
+    opens as the request is queued or admitted, and each frame's outputs get their text and stop
+    strings here (`decode_worker.text`), never in the core. A request a stop string ended is
+    stopped in the core, and whatever the core made of it since is dropped."""
+
+    text: TextStreams | None  # None where the engine applies the text itself
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+    ) -> None:  # fmt: skip
+        with self._text_for(request_id, [*prompt_token_ids, *output_token_ids], params.stop):
+            self._send("add_request", request_id, prompt_token_ids, params, output_token_ids)
+
+    def admit(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, first_token: int,
+        logprob: TokenLogprob | None = None, num_output: int = 0,
+    ) -> None:  # fmt: skip
+        with self._text_for(request_id, token_ids, params.stop):
+            self._send("admit", request_id, token_ids, params, first_token, logprob, num_output)
+
+    def abort(self, request_id: str) -> bool:
+        if self.text is not None:
+            self.text.close(request_id)
+        return self._send("abort", request_id)
+
+    def reserve(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, num_output: int = 0
+    ) -> tuple[list[int], int]:
+        return self._send("reserve", request_id, token_ids, params, num_output)
+
+    def release(self, request_id: str) -> None:
+        self._send("release", request_id)
+
+    def _send(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _stop_after_text(self, request_id: str) -> None:
+        """Stops a request a stop string has ended (without waiting for the engine to take it)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _text_for(self, request_id: str, context_token_ids: Sequence[int], stop: Sequence[str]) -> Iterator[None]:
+        if self.text is None:
+            yield
+            return
+        self.text.open(request_id, context_token_ids, stop)
+        try:
+            yield
+        except BaseException:
+            self.text.close(request_id)
+            raise
+
+    def _with_text(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.text is None:
+            return outputs
+        kept = []
+        for out in outputs:
+            if out.request_id not in self.text:
+                continue  # it ended here (a stop string, an abort) and the core has stepped it since
+            if self.text.apply(out):
+                self._stop_after_text(out.request_id)
+            kept.append(out)
+        return kept
 
 
-@dataclass
-class Frame:
-    """What one turn of the engine loop tells its front: the step's outputs (none for a turn that
-    only applied commands), the load after it, the prefix cache's events since the last frame, and
-    whether work remains. `failed` carries a step's error: every request in flight has lost its step."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
-    occupancy: Occupancy = field(default_factory=Occupancy)
-    kv: KVBatch | None = None
-    busy: bool = False
-    failed: str | None = None
-    steps: int = 0  # the engine's steps so far
-
-
-OnFrame = Callable[[Frame], None]
-
-
-@dataclass(frozen=True)
-class CoreInfo:
-    """What the front needs to know of the engine once: the model's shape, the KV cache's (the
-    tensors themselves in shared memory), and the batching limits."""
-
-    arch: ModelArch
-    block_size: int
-    kv_cache: list[tuple[Any, Any]]
-    fingerprint: bytes = b""
-    occupancy: Occupancy = field(default_factory=Occupancy)  # the load before any request
-
-
-class ThreadCore:
+class ThreadCore(CoreHandle):
     """The engine in this process: its calls go straight to it, and `run` steps it."""
 
     def __init__(self, engine: Engine) -> None:
@@ -86,6 +123,7 @@ class ThreadCore:
         self.kv_journal = engine.kv_journal
         self.changes = engine.changes
         self.steps = 0
+        self.text = TextStreams(engine.tokenizer) if engine.text is None else None
 
     @property
     def occupancy(self) -> Occupancy:
@@ -98,20 +136,11 @@ class ThreadCore:
     def stop(self) -> None:
         """Nothing of its own to stop: `run` ends when its `stopped` is set."""
 
-    def add_request(self, *args: Any) -> None:
-        self.engine.add_request(*args)
+    def _send(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine, method)(*args)
 
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
-
-    def reserve(self, *args: Any) -> tuple[list[int], int]:
-        return self.engine.reserve(*args)
-
-    def release(self, request_id: str) -> None:
-        self.engine.release(request_id)
-
-    def admit(self, *args: Any) -> None:
-        self.engine.admit(*args)
+    def _stop_after_text(self, request_id: str) -> None:
+        self.engine.abort(request_id)  # on the stepping thread, between steps
 
     def run(self, on_frame: OnFrame, stopped: threading.Event) -> None:
         """Steps the engine while it has work, sleeping until it changes when it has none, until
@@ -131,6 +160,7 @@ class ThreadCore:
                 stopped.wait(0.1)
                 continue
             self.steps += 1
+            outputs = self._with_text(outputs)
             on_frame(Frame(outputs, engine.occupancy, None, engine.has_unfinished, steps=self.steps))
 
 
@@ -138,16 +168,18 @@ class CoreDied(RuntimeError):
     """The engine core process is gone: nothing it held can be reached."""
 
 
-class ProcessCore:
+class ProcessCore(CoreHandle):
     """The engine in a child process; this object is its front's handle. Calls are round trips on
-    a pipe (the core takes commands between steps, never mid-step); `run` reads the frames, keeping
-    the load, the change counter and a mirror of the prefix cache's journal for Watch."""
+    a pipe (the core takes commands between steps, never mid-step), each bounded by `call_timeout_s`;
+    `run` reads the frames, keeping the load, the change counter and a mirror of the prefix cache's
+    journal for Watch, and gives their outputs their text."""
 
     def __init__(
         self, process: multiprocessing.process.BaseProcess, commands, events, info: CoreInfo,
-        scheduler_config: SchedulerConfig,
+        scheduler_config: SchedulerConfig, text: TextStreams, call_timeout_s: float = 30.0,
     ) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
         self.process, self.info, self.scheduler_config = process, info, scheduler_config
+        self.text, self.call_timeout_s = text, call_timeout_s
         self.kv_journal = KVJournal()  # the core's journal, replayed from the frames
         self.changes = Changes()
         self.occupancy = info.occupancy
@@ -163,17 +195,22 @@ class ProcessCore:
 
     @classmethod
     def spawn(cls, config: ClusterConfig, worker_id: str, timeout_s: float = 600.0) -> ProcessCore:
-        """Starts the core for `config` and waits until its engine is built and warmed up."""
+        """Starts the core for `config` and waits until its engine is built and warmed up (the
+        model's tokenizer is loaded here meanwhile: the front applies the text)."""
+        from cluster.model.gguf import model_folder  # here: a GPU check's intake process has no tokenizer library
+        from cluster.model.tokenizer import Tokenizer
+
         ctx = multiprocessing.get_context("spawn")  # never fork: the front holds gRPC's and torch's threads
         commands_theirs, commands = ctx.Pipe(duplex=False)
         events, events_theirs = ctx.Pipe(duplex=False)
         process = ctx.Process(
-            target=_core_main, args=(commands_theirs, events_theirs, dump_config(config)), name=f"{worker_id}-core",
+            target=core_main, args=(commands_theirs, events_theirs, dump_config(config)), name=f"{worker_id}-core",
             daemon=True,
         )  # fmt: skip
         process.start()
         commands_theirs.close()
         events_theirs.close()
+        text = TextStreams(Tokenizer(model_folder(config.model.path)))
         if not events.poll(timeout_s):
             process.kill()
             raise CoreDied(f"the engine core did not start within {timeout_s:g} s")
@@ -185,7 +222,7 @@ class ProcessCore:
         if isinstance(hello, BaseException):
             process.join(5)
             raise hello
-        return cls(process, commands, events, hello, config.scheduler)
+        return cls(process, commands, events, hello, config.scheduler, text, config.scheduler.wedged_after_s)
 
     def run(self, on_frame: OnFrame, stopped: threading.Event) -> None:
         """Reads the core's frames and replies until its pipe closes (`stop`, or its death)."""
@@ -196,6 +233,7 @@ class ProcessCore:
                 break
             if isinstance(message, Frame):
                 self._take(message)
+                message.outputs = self._with_text(message.outputs)
                 on_frame(message)
             else:
                 call_id, ok, value = message
@@ -220,38 +258,32 @@ class ProcessCore:
             self.process.kill()
             self.process.join(5)
 
-    def add_request(self, *args: Any) -> None:
-        self._call("add_request", args)
-
-    def abort(self, request_id: str) -> bool:
-        return self._call("abort", (request_id,))
-
-    def reserve(self, *args: Any) -> tuple[list[int], int]:
-        return self._call("reserve", args)
-
-    def release(self, request_id: str) -> None:
-        self._call("release", (request_id,))
-
-    def admit(self, *args: Any) -> None:
-        self._call("admit", args)
-
-    def _call(self, method: str, args: tuple) -> Any:
+    def _send(self, method: str, *args: Any) -> Any:
+        """A round trip: the engine's answer, or what it raised."""
         call_id = next(self._ids)
         done, result = threading.Event(), []
         self._calls[call_id] = (done, result)
         try:
-            with self._send_lock:
-                try:
-                    self._commands.send((method, call_id, args))
-                except (OSError, ValueError):
-                    raise CoreDied("the engine core process is gone") from None
-            done.wait()
+            self._command(method, call_id, args)
+            if not done.wait(self.call_timeout_s):
+                raise CoreDied(f"the engine core did not answer {method} within {self.call_timeout_s:g} s")
         finally:
             self._calls.pop(call_id, None)
         ok, value = result[0]
         if not ok:
             raise value
         return value
+
+    def _stop_after_text(self, request_id: str) -> None:
+        with contextlib.suppress(CoreDied):  # no answer wanted: the frame reader must not wait on itself
+            self._command("abort", None, (request_id,))
+
+    def _command(self, method: str, call_id: int | None, args: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._commands.send((method, call_id, args))
+            except (OSError, ValueError):
+                raise CoreDied("the engine core process is gone") from None
 
     def _take(self, frame: Frame) -> None:
         self.occupancy, self.has_unfinished, self.steps = frame.occupancy, frame.busy, frame.steps
@@ -274,107 +306,3 @@ def replay(journal: KVJournal, batch: KVBatch) -> None:
         journal.removed(block_hash)
     for block_hash in batch.stored:
         journal.stored(block_hash)
-
-
-# -- in the core process -----------------------------------------------------------------------------
-
-
-def build_engine(config: ClusterConfig, shared: bool = False) -> Engine:
-    """The decode engine for the config's model, cache and batching, warmed up. `shared`: its KV
-    cache in shared memory, for a front in another process to write transfers into."""
-    # Here, not above: the front's KV intake imports this module, and a GPU check's process that has
-    # neither OpenTelemetry (the worker shell's) nor a tokenizer's grammar library imports the intake.
-    from cluster.engine.speculative import build_proposer
-    from cluster.engine.structured import for_tokenizer
-    from cluster.worker_shell import load_model_and_tokenizer
-
-    m = config.model
-    model, tokenizer = load_model_and_tokenizer(m)
-    spec = config.speculative
-    proposer = build_proposer(spec, model, config.cache.block_size, m.seed, m.compile_buckets)
-    engine = Engine(
-        model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
-        compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
-        grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids), shared_kv=shared,
-    )  # fmt: skip
-    engine.warm_up()
-    return engine
-
-
-def _core_main(commands, events, config_json: str) -> None:  # type: ignore[no-untyped-def]
-    try:
-        from cluster.kv.wire import model_fingerprint
-
-        config = ClusterConfig.model_validate_json(config_json)
-        engine = build_engine(config, shared=True)
-        model = engine.runner.model
-        fingerprint = model_fingerprint(model, model.arch)
-        info = CoreInfo(model.arch, config.cache.block_size, engine.kv_cache, fingerprint, engine.occupancy)
-    except BaseException as e:  # the front raises it: a bad model or config fails the worker's start
-        events.send(RuntimeError(f"the engine core failed to start: {e!r}"))
-        raise
-    events.send(info)
-    EngineLoop(engine, commands, events).run()
-
-
-class EngineLoop:
-    """The core's one thread: commands between steps, a frame after each turn that changed anything."""
-
-    def __init__(self, engine: Engine, commands, events) -> None:  # type: ignore[no-untyped-def]
-        self.engine, self.commands, self.events = engine, commands, events
-        self.cursor: int | None = None  # the journal's events the front has
-        self.sent = engine.changes.version  # the change count the last frame (or the hello) told
-        self.steps = 0
-
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            idle = not engine.has_unfinished
-            try:
-                if self.commands.poll(IDLE_WAKE_S if idle else 0) and not self._apply_commands():
-                    return
-            except (EOFError, OSError):
-                return  # the front is gone
-            outputs: list[RequestOutput] = []
-            failed = None
-            if engine.has_unfinished:
-                try:
-                    outputs = engine.step()
-                    self.steps += 1
-                except Exception:
-                    log.exception("the decode engine's step failed")
-                    failed = traceback.format_exc(limit=3)
-            if outputs or failed or engine.changes.version != self.sent:
-                self._send_frame(outputs, failed)
-
-    def _send_frame(self, outputs: list[RequestOutput], failed: str | None = None) -> None:
-        engine = self.engine
-        self.sent = engine.changes.version
-        batch = engine.kv_journal.since(self.cursor)
-        if batch is not None:
-            self.cursor = batch.last
-        self.events.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps))
-
-    def _apply_commands(self) -> bool:
-        """Every command waiting; False on `stop`."""
-        while self.commands.poll(0):
-            method, call_id, args = self.commands.recv()
-            if method == "stop":
-                return False
-            try:
-                reply = (call_id, True, getattr(self.engine, method)(*args))
-            except Exception as e:
-                reply = (call_id, False, _picklable(e))
-            if self.engine.changes.version != self.sent:
-                self._send_frame([])  # first: a call returns once its front's load shows what it changed
-            self.events.send(reply)
-        return True
-
-
-def _picklable(e: Exception) -> Exception:
-    """`e` itself when it crosses the pipe (the engine's KeyError, ValueError, MemoryError do)."""
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:
-        return RuntimeError(repr(e))

@@ -12,8 +12,9 @@
     output = self.runner.run(plan)         # StepOutput: each sampling request's new tokens, each beam's logits
     outputs = self._update(plan, output)   # the scheduler appends the tokens; text, stop strings, beams
 
-The engine adds what a client sees: text deltas, stop strings, logprobs, and `RequestOutput`s.
-Aborting a request frees its blocks at once. Each variant lives in its own module:
+The engine adds what a client sees: logprobs and `RequestOutput`s, with their text deltas and stop
+strings (`decode_worker.text`) unless built with `text=False`, as a served worker's engine core is:
+its front applies them. Aborting a request frees its blocks at once. Each variant lives in its own module:
 
 - Speculative decoding (`cluster.engine.speculative`): the `Speculator` asks the proposer for draft
   tokens for the decoding requests and the scheduler adds them to the plan; the runner scores
@@ -31,13 +32,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from cluster.config import CacheConfig, SchedulerConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.compiled import CompiledDecode
-from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
+from cluster.engine.detokenizer import Decoder
 from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner, StepOutput, num_kv_blocks
 from cluster.engine.request import Request, SamplingParams, StepPlan
@@ -47,37 +47,7 @@ from cluster.engine.structured import Grammars
 from cluster.model.causal_lm import CausalLM
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.scheduler import Scheduler
-
-
-@dataclass(frozen=True)
-class BeamOutput:
-    token_ids: list[int]
-    text: str
-    score: float  # sum of log-probs / len(token_ids) ** length_penalty
-    finish_reason: str  # "stop" or "length"
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # new this step
-    text: str  # new this step
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    num_passes: int = 0  # target-model passes that gave this request tokens
-    num_draft_tokens: int = 0  # speculative tokens proposed
-    num_accepted_tokens: int = 0  # and kept
-    beams: list[BeamOutput] = field(default_factory=list)  # beam search: every beam, best first, at the end
-
-
-@dataclass
-class _Stream:
-    request: Request
-    detokenizer: IncrementalDetokenizer
+from decode_worker.text import BeamOutput, RequestOutput, TextStreams
 
 
 class Engine:
@@ -95,6 +65,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         grammars: Grammars | None = None,
         shared_kv: bool = False,  # the KV cache in shared memory, for a front in another process
+        text: bool = True,  # False: outputs carry no text and stop strings are left to the caller
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
         self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
@@ -120,7 +91,7 @@ class Engine:
         )
         self.tokenizer = tokenizer
         self.max_num_seqs = scheduler.max_num_seqs
-        self._streams: dict[str, _Stream] = {}
+        self.text = TextStreams(tokenizer) if text else None
         # Steps and KV-transfer reservations arrive on different threads; the scheduler and block
         # manager see one at a time.
         self.lock = threading.Lock()
@@ -245,13 +216,13 @@ class Engine:
         request.matcher = self.grammars.matcher(c, request.output_token_ids)
 
     def _open_stream(self, request: Request) -> None:
-        # The context is every token so far, so that the first new token decodes as it would inline.
-        detok = IncrementalDetokenizer(self.tokenizer, request.all_token_ids, request.params.stop)
-        self._streams[request.request_id] = _Stream(request, detok)
+        if self.text is not None:
+            self.text.open(request.request_id, request.all_token_ids, request.params.stop)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
-            self._streams.pop(request_id, None)
+            if self.text is not None:
+                self.text.close(request_id)
             self._pending = [out for out in self._pending if out.request_id != request_id]
             found = self.beams.abort(request_id) or self.scheduler.abort(request_id) is not None
             if self.speculator is not None:
@@ -305,16 +276,11 @@ class Engine:
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         request = result.request
-        del self._streams[request.request_id]
-        beams = [
-            BeamOutput(list(h.token_ids), self.tokenizer.decode(list(h.token_ids)), h.score, h.finish_reason)
-            for h in result.hypotheses
-        ]
+        beams = [BeamOutput(list(h.token_ids), "", h.score, h.finish_reason) for h in result.hypotheses]
         best = beams[0]
-        return RequestOutput(
+        out = RequestOutput(
             request_id=request.request_id,
             token_ids=best.token_ids,
-            text=best.text,
             finished=True,
             finish_reason=best.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -323,28 +289,13 @@ class Engine:
             num_passes=len(best.token_ids),
             beams=beams,
         )
+        return self._with_text(request, out)
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
-        stream = self._streams[request.request_id]
-        text = ""
-        for n, token in enumerate(tokens, 1):
-            text += stream.detokenizer.add(token)
-            if stream.detokenizer.stopped:
-                if n < len(tokens):  # tokens a step kept past the stop string are not output
-                    del request.output_token_ids[n - len(tokens) :]
-                    tokens = tokens[:n]
-                    request.finish_reason = "stop" if request.finished else request.finish_reason
-                if not request.finished:
-                    self.scheduler.finish(request.request_id, "stop")
-                break
-        if request.finished:
-            text += stream.detokenizer.flush()
-            del self._streams[request.request_id]
-        return RequestOutput(
+        out = RequestOutput(
             request_id=request.request_id,
             token_ids=tokens,
-            text=text,
-            logprobs=logprobs[: len(tokens)] if logprobs is not None and request.params.logprobs is not None else [],
+            logprobs=list(logprobs) if logprobs is not None and request.params.logprobs is not None else [],
             finished=request.finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -354,6 +305,18 @@ class Engine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )
+        return self._with_text(request, out)
+
+    def _with_text(self, request: Request, out: RequestOutput) -> RequestOutput:
+        """The output's text, where this engine applies it; a stop string finishes the request here
+        (the tokens a step kept past it are not output)."""
+        if self.text is not None and self.text.apply(out):
+            del request.output_token_ids[out.num_output_tokens :]
+            if request.finished:
+                request.finish_reason = out.finish_reason
+            else:
+                self.scheduler.finish(request.request_id, "stop")
+        return out
 
 
 def _request(request_id: str, token_ids: Sequence[int], params: SamplingParams, num_output: int) -> Request:

@@ -32,9 +32,10 @@ from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handl
 from cluster.kv.wire import model_fingerprint
 from cluster.telemetry import Telemetry, extract
 from cluster.worker_shell import WorkerShell
-from decode_worker.core import Frame, ProcessCore, ThreadCore, build_engine
-from decode_worker.engine import RequestOutput
+from decode_worker.core import ProcessCore, ThreadCore
+from decode_worker.engine_loop import Frame, build_engine
 from decode_worker.kv_intake import KVIntake
+from decode_worker.text import RequestOutput
 
 Core = ThreadCore | ProcessCore
 
@@ -292,7 +293,7 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
         core: Core = ProcessCore.spawn(config, worker_id)
         fingerprint = core.info.fingerprint
     else:
-        engine = build_engine(config)
+        engine = build_engine(config, text=False)  # its front applies the text, as over a core process
         core, fingerprint = ThreadCore(engine), model_fingerprint(engine.runner.model, engine.runner.model.arch)
     t = config.transfer
     secret = config.auth.cluster_secret

@@ -103,6 +103,7 @@ class PrefillEngine:
         self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
         self._jobs: dict[str, _Job] = {}
         self.changes = Changes()  # bumped after every change of what it holds; its loop and Watch wait on it
+        self._stats = self._snapshot()
 
     @property
     def has_unfinished(self) -> bool:
@@ -145,7 +146,7 @@ class PrefillEngine:
             request.matcher = self.grammars.matcher(params.structured, request.output_token_ids)
         self.scheduler.add(request)
         self._jobs[request_id] = _Job(request, sender, capability, skip=decode_cached_tokens)
-        self.changes.bump()
+        self._changed()
 
     def abort(self, request_id: str) -> bool:
         job = self._jobs.pop(request_id, None)
@@ -154,7 +155,7 @@ class PrefillEngine:
         if job.stream is not None:
             job.stream.abort()
         found = self.scheduler.abort(request_id)
-        self.changes.bump()
+        self._changed()
         return found
 
     def step(self) -> list[PrefillOutput]:
@@ -194,7 +195,7 @@ class PrefillEngine:
                     request.num_prompt_tokens, request.num_cached_tokens, job.stream,
                 )
             )  # fmt: skip
-        self.changes.bump()
+        self._changed()
         return outputs
 
     def poll_leases(self) -> int:
@@ -211,10 +212,20 @@ class PrefillEngine:
             del self._jobs[request_id]
             released += 1
         if released:
-            self.changes.bump()
+            self._changed()
         return released
 
     def stats(self) -> PrefillStats:
+        """The load as of the last change: one consistent moment, read from any thread without the
+        lock its changes are made under."""
+        return self._stats
+
+    def _changed(self) -> None:
+        """Publishes the load as it is now and wakes whoever waits for a change."""
+        self._stats = self._snapshot()
+        self.changes.bump()
+
+    def _snapshot(self) -> PrefillStats:
         s, blocks = self.scheduler, self.scheduler.blocks
         return PrefillStats(
             waiting=len(s.waiting),

@@ -73,10 +73,9 @@ class PrefillWorker(WorkerShell[PrefillEngine]):
         rid = request.request_id
         if not request.decode_target:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill request needs a decode_target")
-        scheduler = self.engine.scheduler
         params = admit_submit(
-            context, self.worker_id, self._draining, request.sampling, len(scheduler.waiting),
-            scheduler.config.max_waiting,
+            context, self.worker_id, self._draining, request.sampling, self.engine.stats().waiting,
+            self.engine.scheduler_config.max_waiting,
         )  # fmt: skip
         waiter: Future[tuple[PrefillOutput, float, float]] = Future()
         with self._lock:

@@ -63,10 +63,11 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     return {name: (root / name, write_hf_model(name, root / name)) for name in HF_MODELS}
 
 
-def drive(engine, requests, after_step=None):  # type: ignore[no-untyped-def]
+def drive(engine, requests, after_step=None, after_outputs=None):  # type: ignore[no-untyped-def]
     """Runs `requests` ({id: (prompt ids, SamplingParams)}) through a decode `Engine` together:
     returns every token streamed and the final output, by id. Checks the block manager after every
-    step (and calls `after_step`), and that no block is left in use at the end."""
+    step (and calls `after_step`, and `after_outputs` with each output), and that no block is left
+    in use at the end."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     streamed: dict[str, list[int]] = {rid: [] for rid in requests}
@@ -74,6 +75,8 @@ def drive(engine, requests, after_step=None):  # type: ignore[no-untyped-def]
     while engine.has_unfinished:
         for out in engine.step():
             streamed[out.request_id] += out.token_ids
+            if after_outputs is not None:
+                after_outputs(out)
             if out.finished:
                 finals[out.request_id] = out
         engine.scheduler.blocks.check_integrity()

@@ -19,7 +19,8 @@ from tandem.v1 import api_pb2, api_pb2_grpc
 from cluster.config import parse_config
 from cluster.engine.request import SamplingParams
 from decode_worker import service as decode_service
-from decode_worker.core import Frame, ProcessCore, build_engine
+from decode_worker.core import ProcessCore
+from decode_worker.engine_loop import Frame, build_engine
 from router.sdk.client import Client
 from router.service.server import from_config
 from tests.conftest import drive
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 
 pytestmark = pytest.mark.slow
+DEF_ADD = [481, 795, 10, 67, 14, 313, 307]  # "def add(a, b):" in the demo model's tokenizer
 
 
 def config(**scheduler):
@@ -43,7 +45,7 @@ class Frames:
     """Runs a core's frame reader on a thread, keeping every frame and each request's tokens."""
 
     def __init__(self, core: ProcessCore) -> None:
-        self.core, self.frames, self.tokens, self.finished = core, [], {}, {}
+        self.core, self.frames, self.tokens, self.texts, self.finished = core, [], {}, {}, {}
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=core.run, args=(self.take, self.stopped), daemon=True)
         self.thread.start()
@@ -52,6 +54,7 @@ class Frames:
         self.frames.append(frame)
         for out in frame.outputs:
             self.tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            self.texts[out.request_id] = self.texts.get(out.request_id, "") + out.text
             if out.finished:
                 self.finished[out.request_id] = out
 
@@ -77,26 +80,43 @@ def requests() -> dict[str, tuple[list[int], SamplingParams]]:
     return {
         "greedy": (list(range(10, 40)), SamplingParams(max_tokens=24, temperature=0.0)),
         "seeded": (list(range(50, 70)), SamplingParams(max_tokens=20, temperature=0.8, seed=7)),
-        "stop": (list(range(100, 117)), SamplingParams(max_tokens=30, temperature=0.0, stop=["\n"])),
+        # "def add(a, b):", whose greedy output has "return" 15 tokens on, far from its length: the core
+        # would step it on if the front's stop did not reach it
+        "stop": (DEF_ADD, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop=["return"])),
         "short": ([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)),
     }
 
 
 def test_the_core_streams_what_the_engine_in_this_process_streams(core):
+    """Tokens, text and finish reasons alike: the engine here cuts the text at a stop string itself;
+    the core leaves that to its front, which drops what the core stepped past the stop."""
     core, frames = core
     engine = build_engine(config())
-    expected, finals = drive(engine, requests())
+    texts: dict[str, str] = {}
+    expected, finals = drive(engine, requests(), after_outputs=lambda out: texts.__setitem__(
+        out.request_id, texts.get(out.request_id, "") + out.text))  # fmt: skip
+    assert finals["stop"].finish_reason == "stop" and texts["stop"].endswith('"""\n        '), "a stop string ends one"
     for rid, (prompt, params) in requests().items():
         core.add_request(rid, prompt, params)
     frames.wait_for(requests())
     assert {rid: frames.tokens[rid] for rid in requests()} == expected
+    assert {rid: frames.texts[rid] for rid in requests()} == texts
     assert {rid: out.finish_reason for rid, out in frames.finished.items() if rid in requests()} == {
         rid: out.finish_reason for rid, out in finals.items()
     }
+    assert {rid: out.num_output_tokens for rid, out in frames.finished.items() if rid in requests()} == {
+        rid: out.num_output_tokens for rid, out in finals.items()
+    }
     assert sum(1 for f in frames.frames if f.outputs) <= core.steps, "one frame per step, never one per token"
-    assert core.kv_journal.held() == engine.kv_journal.held(), "Watch's mirror holds what the core's cache holds"
+    deadline = time.monotonic() + 5  # the stopped request's abort is not waited for: it lands with the next turn
+    while core.has_unfinished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not core.has_unfinished, "the request a stop string ended runs no more in the core"
+    # Watch's mirror holds what the core's cache holds: what the engine here holds, and at most one
+    # block more (the core may step the stopped request once before its abort lands, filling a block)
+    extra = core.kv_journal.held() - engine.kv_journal.held()
+    assert engine.kv_journal.held() <= core.kv_journal.held() and len(extra) <= 1
     assert core.occupancy.free_blocks == core.occupancy.total_blocks == 256
-    assert not core.has_unfinished
 
 
 def test_the_engines_errors_cross_the_pipe(core):

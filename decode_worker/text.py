@@ -1,0 +1,95 @@
+"""What the decode engine hands out for each request, and what a client reads of it: its text, cut
+at a stop string.
+
+    RequestOutput   one request's new tokens this step (their text, once `TextStreams` has seen them)
+    TextStreams     every open request's incremental detokenizer: `open` it when the request is
+                    queued or admitted, `apply` each of its outputs in order; a stop string ends
+                    the request there, dropping the tokens past it
+
+An engine in this process applies the text itself (`Engine(text=True)`, the default). A served
+worker's engine core does not: its front (`decode_worker.core`'s handles) applies each frame's
+outputs and aborts, in the core, a request a stop string has ended, so the core spends no step's
+time on strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
+from cluster.engine.sampler import TokenLogprob
+
+
+@dataclass(frozen=True)
+class BeamOutput:
+    token_ids: list[int]
+    text: str
+    score: float  # sum of log-probs / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new this step
+    text: str = ""  # new this step
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_passes: int = 0  # target-model passes that gave this request tokens
+    num_draft_tokens: int = 0  # speculative tokens proposed
+    num_accepted_tokens: int = 0  # and kept
+    beams: list[BeamOutput] = field(default_factory=list)  # beam search: every beam, best first, at the end
+
+
+class TextStreams:
+    """The text of many requests' outputs. `open`, `apply` and `close` may come from different
+    threads: each touches one request's entry, and a request's outputs are applied in order by one."""
+
+    def __init__(self, tokenizer: Decoder) -> None:
+        self.tokenizer = tokenizer
+        self._open: dict[str, IncrementalDetokenizer] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def open(self, request_id: str, context_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        """`context_token_ids`: every token before the request's next one (its prompt, and the output
+        it already has), so that the first new token decodes as it would inline."""
+        self._open[request_id] = IncrementalDetokenizer(self.tokenizer, context_token_ids, stop)
+
+    def close(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
+
+    def apply(self, out: RequestOutput) -> bool:
+        """Gives `out` the text its new tokens add. A stop string ends the request in `out`: the tokens
+        past it (and their logprobs) are dropped and `out` is finished. Returns whether a stop string
+        ended it, for whoever runs it to stop it there. A finished request's stream closes."""
+        if out.beams:
+            self.close(out.request_id)
+            beams = [dataclasses.replace(b, text=self.tokenizer.decode(b.token_ids)) for b in out.beams]
+            out.beams, out.text = beams, beams[0].text
+            return False
+        detokenizer = self._open[out.request_id]
+        text, stopped = "", False
+        for n, token in enumerate(out.token_ids, 1):
+            text += detokenizer.add(token)
+            if detokenizer.stopped:
+                stopped, dropped = True, len(out.token_ids) - n
+                if dropped or not out.finished:  # a stop on a step's last token that also ended it keeps its reason
+                    out.finish_reason = "stop"
+                del out.token_ids[n:]
+                del out.logprobs[n:]
+                out.num_output_tokens -= dropped
+                out.finished = True
+                break
+        if out.finished:
+            text += detokenizer.flush()
+            self.close(out.request_id)
+        out.text = text
+        return stopped
