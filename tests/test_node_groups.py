@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray._private import state as ray_state
 from ray._private.authentication.authentication_token_setup import _enable_token_auth, ensure_token_if_auth_enabled
 from ray.cluster_utils import AutoscalingCluster
-from ray.util.state import list_actors, list_nodes
 
 from cluster.config import parse_config
 from cluster.pools import ray_cluster
@@ -36,7 +36,9 @@ class NodeGroups(AutoscalingCluster):
     """Ray's fake multi-node autoscaling cluster, with its base config written here (the wheel does
     not ship the example file the harness reads). Ray's own `start` and `shutdown` stop every Ray on
     the machine first (a forced stop of all its processes); these start the head in a temp dir of its
-    own, on a port of its own, and stop only the processes of that dir (the fake nodes share it)."""
+    own, on a port of its own, and stop only the processes of that dir (the fake nodes share it). The
+    head runs no dashboard: the test reads nodes and actors from the GCS (a dashboard that registers
+    late on a loaded machine made Ray's state API give up)."""
 
     def start(self, _system_config=None, override_env=None):  # type: ignore[no-untyped-def]
         self.temp_dir = tempfile.mkdtemp(prefix="tng-", dir="/tmp")  # short: Ray's socket paths are bounded
@@ -46,7 +48,7 @@ class NodeGroups(AutoscalingCluster):
         config.write_text(json.dumps(self._config))
         ray_bin = Path(sys.executable).parent / "ray"
         command = [str(ray_bin), "start", "--head", f"--autoscaling-config={config}", f"--temp-dir={self.temp_dir}"]
-        command += [f"--port={self.gcs_address.split(':')[1]}", "--num-cpus=1"]
+        command += [f"--port={self.gcs_address.split(':')[1]}", "--num-cpus=1", "--include-dashboard=false"]
         env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1"}
         subprocess.run(command, env=env, check=True, capture_output=True)
 
@@ -112,6 +114,21 @@ def node_type(resources: dict) -> str:
     return "prefill" if "prefill" in resources else "decode" if "decode" in resources else "head"
 
 
+def alive_nodes() -> dict[str, str]:
+    """Node id -> its type, for the live nodes of the Ray this process is connected to (from its GCS)."""
+    return {n["NodeID"]: node_type(n["Resources"]) for n in ray.nodes() if n["Alive"]}
+
+
+def placement() -> dict[str, str]:
+    """Each live worker actor's name -> the type of the node it runs on."""
+    nodes = alive_nodes()
+    return {
+        a["Name"]: nodes.get(a["Address"]["NodeID"], "?")
+        for a in ray_state.actors(actor_state_name="ALIVE").values()
+        if a["Name"].startswith(("prefill-", "decode-"))
+    }
+
+
 @pytest.fixture(scope="module")
 def autoscaling_ray():
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # the `ray` command
@@ -138,14 +155,13 @@ def autoscaling_ray():
     ensure_token_if_auth_enabled(create_token_if_missing=True)
     fake.start()
     ray.init(fake.gcs_address, namespace="tandem-node-groups", log_to_driver=False)
-    yield fake  # Ray's state API is given its address: found by looking around, it may be another Ray
+    yield fake
     ray.shutdown()
     fake.shutdown()
 
 
 def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
-    address = autoscaling_ray.gcs_address
-    assert {node_type(n.resources_total) for n in list_nodes(address=address)} == {"head"}, "no worker nodes at start"
+    assert set(alive_nodes().values()) == {"head"}, "no worker nodes at start"
     config = parse_config(
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
@@ -162,25 +178,15 @@ def test_pools_land_on_their_node_groups_and_scale_only_theirs(autoscaling_ray):
             f"the pools did not start; Ray's GCS log ends:\n{gcs_log_tail(autoscaling_ray.temp_dir)}"
         ) from e
     try:
-
-        def placement() -> dict[str, str]:
-            nodes = {n.node_id: node_type(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"}
-            return {
-                a.name: nodes.get(a.node_id, "?")
-                for a in list_actors(address=address, filters=[("state", "=", "ALIVE")])
-                if a.name.startswith(("prefill-", "decode-"))
-            }
-
         assert placement() == {"prefill-0": "prefill", "decode-0": "decode"}
-        alive = [node_type(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"]
-        assert sorted(alive) == ["decode", "head", "prefill"], "Ray added one node of each group"
+        assert sorted(alive_nodes().values()) == ["decode", "head", "prefill"], "Ray added one node of each group"
 
         cluster.scale("decode", 2)
         deadline = time.monotonic() + 240
         while len(cluster.discover()) < 3 and time.monotonic() < deadline:
             time.sleep(1)
         assert placement() == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
-        alive = [node_type(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"]
+        alive = list(alive_nodes().values())
         assert alive.count("decode") == 2 and alive.count("prefill") == 1, "scaling decode added decode nodes only"
     finally:
         cluster.shutdown()
