@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,6 +155,10 @@ SHARED_SLOW_FIXTURES = {"smollm2_hf": "smollm2-hf", "smollm2_reference": "smollm
 # The last of the `ray` modules: it joins this process to a multi-node Ray of its own with token auth
 # forced on, and a local Ray started in this process after it takes 15-20 s longer to shut down.
 RAY_LAST = "test_node_groups"
+# Modules without Ray that run in the `ray` group all the same, at full priority, and why.
+WITH_THE_RAY_GROUP = {
+    "test_gpu_check": "its dry run's collective step runs Gloo between two processes under a timeout",
+}
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
@@ -161,11 +166,11 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
     worker, so its module-scoped clusters, servers and models are built once; every module marked
     `ray` shares one group, so no two Ray clusters start at once; modules that use a slow session
     fixture share a group. The `ray` group goes first (`RAY_LAST` at its end): it is the longest, the
-    other worker takes the rest."""
+    other worker takes the rest, at the lowest CPU priority (`pytest_runtest_setup`)."""
     groups: dict[str, str] = {}
     for item in items:
         module = item.path.stem
-        if item.get_closest_marker("ray"):
+        if item.get_closest_marker("ray") or module in WITH_THE_RAY_GROUP:
             groups[module] = "ray"
         elif module not in groups or groups[module] == module:
             shared = [SHARED_SLOW_FIXTURES[f] for f in item.fixturenames if f in SHARED_SLOW_FIXTURES]
@@ -174,3 +179,16 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
         item.add_marker(pytest.mark.xdist_group(groups[item.path.stem]))
     # Stable: each module keeps its order.
     items.sort(key=lambda item: (groups[item.path.stem] != "ray", item.path.stem == RAY_LAST))
+
+
+def pytest_runtest_setup(item):  # type: ignore[no-untyped-def]
+    """An xdist worker running anything but the `ray` group yields the CPU to the one that runs it: the
+    `ray` modules mostly wait (on Ray, on model loads, on the timeouts they test), and what they time
+    (a migration, a gauge followed within its stated time) must not wait behind the other worker, which
+    takes the idle CPU instead. Once lowered, a worker's priority stays low; the `ray` group is one
+    worker's first, so nothing of it runs after."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None and marker.args[0] != "ray":
+        os.nice(19 - os.nice(0))
