@@ -194,9 +194,12 @@ class ProcessCore(CoreHandle):
         self._stopping = False
 
     @classmethod
-    def spawn(cls, config: ClusterConfig, worker_id: str, timeout_s: float = 600.0) -> ProcessCore:
+    def spawn(
+        cls, config: ClusterConfig, worker_id: str, timeout_s: float = 600.0, main: Callable[..., None] = core_main
+    ) -> ProcessCore:
         """Starts the core for `config` and waits until its engine is built and warmed up (the
-        model's tokenizer is loaded here meanwhile: the front applies the text)."""
+        model's tokenizer is loaded here meanwhile: the front applies the text). `main` is the
+        process's entry: `core_main`, or a stand-in engine's (benchmarks/gpu_shaped.py)."""
         from cluster.model.gguf import model_folder  # here: a GPU check's intake process has no tokenizer library
         from cluster.model.tokenizer import Tokenizer
 
@@ -204,7 +207,7 @@ class ProcessCore(CoreHandle):
         commands_theirs, commands = ctx.Pipe(duplex=False)
         events, events_theirs = ctx.Pipe(duplex=False)
         process = ctx.Process(
-            target=core_main, args=(commands_theirs, events_theirs, dump_config(config)), name=f"{worker_id}-core",
+            target=main, args=(commands_theirs, events_theirs, dump_config(config)), name=f"{worker_id}-core",
             daemon=True,
         )  # fmt: skip
         process.start()

@@ -35,7 +35,7 @@ from cluster.worker_shell import WorkerShell
 from decode_worker.core import ProcessCore, ThreadCore
 from decode_worker.engine_loop import Frame, build_engine
 from decode_worker.kv_intake import KVIntake
-from decode_worker.text import RequestOutput
+from decode_worker.text import RequestOutput, merged
 
 Core = ThreadCore | ProcessCore
 
@@ -70,6 +70,23 @@ def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
         reason = FINISH[beam.finish_reason]
         msg.beams.append(api_pb2.Beam(text=beam.text, token_ids=beam.token_ids, score=beam.score, finish_reason=reason))
     return msg
+
+
+def _caught_up(out: RequestOutput, stream: queue.Queue[RequestOutput | None]) -> RequestOutput:
+    """`out` and every output queued behind it, as one: a stream that lags behind the engine sends
+    one message for what it owes, never a backlog of one message per step. An engine failure queued
+    among them stays queued, for the next read."""
+    outputs = [out]
+    while not outputs[-1].finished:
+        try:
+            following = stream.get_nowait()
+        except queue.Empty:
+            break
+        if following is None:
+            stream.put(None)
+            break
+        outputs.append(following)
+    return merged(outputs)
 
 
 def speculation_stats(out: RequestOutput) -> api_pb2.SpeculationStats:
@@ -154,6 +171,7 @@ class DecodeWorker(WorkerShell[Core]):
                     continue
                 if out is None:  # the engine failed
                     context.abort(grpc.StatusCode.INTERNAL, "the decode engine failed; see the worker's log")
+                out = _caught_up(out, stream)
                 first_at = first_at or time.time()
                 tokens += len(out.token_ids)
                 finished = out.finished
@@ -291,10 +309,14 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
     its engine in a process of its own unless `scheduler.engine_core` is "thread"."""
     if config.scheduler.engine_core == "process":
         core: Core = ProcessCore.spawn(config, worker_id)
-        fingerprint = core.info.fingerprint
-    else:
-        engine = build_engine(config, text=False)  # its front applies the text, as over a core process
-        core, fingerprint = ThreadCore(engine), model_fingerprint(engine.runner.model, engine.runner.model.arch)
+        return around(config, worker_id, core, core.info.fingerprint)
+    engine = build_engine(config, text=False)  # its front applies the text, as over a core process
+    model = engine.runner.model
+    return around(config, worker_id, ThreadCore(engine), model_fingerprint(model, model.arch))
+
+
+def around(config: ClusterConfig, worker_id: str, core: Core, fingerprint: bytes) -> DecodeWorker:
+    """The decode worker in front of `core`, an engine core already started (not started itself)."""
     t = config.transfer
     secret = config.auth.cluster_secret
     intake = KVIntake(

@@ -1,7 +1,8 @@
 """What the decode engine hands out for each request, and what a client reads of it: its text, cut
 at a stop string.
 
-    RequestOutput   one request's new tokens this step (their text, once `TextStreams` has seen them)
+    RequestOutput   one request's new tokens this step (their text, once `TextStreams` has seen them);
+                    `merged` makes several of one request's outputs one, for a stream that lags
     TextStreams     every open request's incremental detokenizer: `open` it when the request is
                     queued or admitted, `apply` each of its outputs in order; a stop string ends
                     the request there, dropping the tokens past it
@@ -45,6 +46,19 @@ class RequestOutput:
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # and kept
     beams: list[BeamOutput] = field(default_factory=list)  # beam search: every beam, best first, at the end
+
+
+def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order, and the
+    last one's state (finish, counts, beams). A stream that fell behind sends what it owes at once."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return dataclasses.replace(
+        outputs[-1],
+        token_ids=[t for out in outputs for t in out.token_ids],
+        text="".join(out.text for out in outputs),
+        logprobs=[lp for out in outputs for lp in out.logprobs],
+    )
 
 
 class TextStreams:

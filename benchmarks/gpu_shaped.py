@@ -1,0 +1,304 @@
+"""A GPU-shaped engine behind the real serving path: can the decode worker's front and the router keep
+up with an engine whose step costs the CPU nothing?
+
+    .venv/bin/python benchmarks/gpu_shaped.py [--batch 256] [--step-ms 10] [--tokens 64] [--routers 1,2]
+
+The engine core is a stand-in (`StandInEngine`): each step sleeps `--step-ms` (as a GPU step leaves the
+CPU free) and gives every running request its next token, up to `--batch` requests at once, each
+`--tokens` long. It runs as a real engine core does: in a process of its own under the real
+`EngineLoop`, one `Frame` per step to the real decode worker's front (`decode_worker.service`, in
+this process), which detokenises and streams every request to the real router (in processes of its
+own), which relays to clients (in two processes of their own, `tandem bench`'s async client, `--batch`
+streams in all, closed loop). Only the model is missing.
+
+Per row (one per router count): the engine's steps/s against its ideal (1 / step time), the mean
+batch, the output tokens/s the clients received against the ideal (batch / step time), and each
+process's CPU per engine step: the engine core (all outside the model, which costs nothing here), the
+worker's front, the routers, the clients. Goals (the serving-path issue): ≥ 0.95 of the ideal steps/s
+at batch 256; the core ≤ 1 ms and the front ≤ 5 ms of CPU per step. Every process shares this
+machine's cores (2 here), so the row also says what the machine could give: the CPU the path needs
+per second of serving against the cores there are. Prints a table, writes
+`benchmarks/results/gpu_shaped.{json,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "proto"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+RESULTS = ROOT / "benchmarks" / "results"
+DEMO = ROOT / "models" / "tandem-demo-code"
+
+
+class StandInEngine:
+    """The decode engine's face to `EngineLoop` with no model behind it: a step sleeps `step_s` and
+    gives each running request one token (cycling through `tokens`, real text of the model's
+    vocabulary, so the front detokenises what a real engine would send). Local prefill only: the
+    prompt costs nothing, and a KV transfer is refused."""
+
+    def __init__(self, step_s: float, max_num_seqs: int, tokens: list[int], total_blocks: int) -> None:
+        from cluster.engine.changes import Changes, Occupancy
+        from cluster.engine.kv_events import KVJournal
+
+        self.step_s, self.max_num_seqs, self.tokens = step_s, max_num_seqs, tokens
+        self.changes, self.kv_journal = Changes(), KVJournal()
+        self.total_blocks = total_blocks
+        self.occupancy = Occupancy(free_blocks=total_blocks, total_blocks=total_blocks)
+        self.waiting: collections.deque[tuple[str, int, int]] = collections.deque()  # (id, prompt length, max tokens)
+        self.running: dict[str, list[int]] = {}  # id -> [tokens made, max tokens, prompt length]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request_id, prompt_token_ids, params, output_token_ids=()) -> None:  # type: ignore[no-untyped-def]
+        self.waiting.append((request_id, len(prompt_token_ids), params.max_tokens - len(output_token_ids)))
+        self._publish()
+
+    def abort(self, request_id: str) -> bool:
+        found = self.running.pop(request_id, None) is not None
+        for entry in [e for e in self.waiting if e[0] == request_id]:
+            self.waiting.remove(entry)
+            found = True
+        self._publish()
+        return found
+
+    def reserve(self, *args):  # type: ignore[no-untyped-def]
+        raise ValueError("the stand-in engine prefills locally only")
+
+    release = admit = reserve
+
+    def step(self):  # type: ignore[no-untyped-def]
+        from decode_worker.text import RequestOutput
+
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            rid, prompt, max_tokens = self.waiting.popleft()
+            self.running[rid] = [0, max_tokens, prompt]
+        time.sleep(self.step_s)
+        outputs = []
+        for rid, state in list(self.running.items()):
+            state[0] += 1
+            done = state[0] >= state[1]
+            token = self.tokens[(state[0] + len(rid)) % len(self.tokens)]
+            outputs.append(
+                RequestOutput(rid, [token], finished=done, finish_reason="length" if done else None,
+                              num_prompt_tokens=state[2], num_output_tokens=state[0], num_passes=state[0])
+            )  # fmt: skip
+            if done:
+                del self.running[rid]
+        self._publish()
+        return outputs
+
+    def _publish(self) -> None:
+        from cluster.engine.changes import Occupancy
+
+        used = min(len(self.running), self.total_blocks)
+        self.occupancy = Occupancy(len(self.running), len(self.waiting), 0, self.total_blocks - used, self.total_blocks)
+        self.changes.bump()
+
+
+def stand_in_main(commands, events, config_json: str, step_s: float = 0.01) -> None:  # type: ignore[no-untyped-def]
+    """The stand-in engine core's process: `decode_worker.engine_loop.core_main` with no model."""
+    import torch
+
+    from cluster.config import ClusterConfig
+    from cluster.model.arch import ModelArch
+    from cluster.model.tokenizer import Tokenizer
+    from decode_worker.engine_loop import CoreInfo, EngineLoop
+
+    config = ClusterConfig.model_validate_json(config_json)
+    arch = ModelArch.from_folder(config.model.path)
+    tokens = Tokenizer(config.model.path).encode(Path(__file__).read_text())
+    engine = StandInEngine(step_s, config.scheduler.max_num_seqs, tokens, config.cache.num_blocks)
+    shape = (1, config.cache.block_size, arch.num_kv_heads, arch.head_dim)  # no transfer lands: one block a layer
+    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+    events.send(CoreInfo(arch, config.cache.block_size, kv, b"stand-in", engine.occupancy))
+    EngineLoop(engine, commands, events).run()
+
+
+def bench_config(batch: int):  # type: ignore[no-untyped-def]
+    from cluster.config import parse_config
+
+    return parse_config(
+        {
+            "model": {"path": str(DEMO), "dtype": "float32"},
+            "cache": {"block_size": 16, "num_blocks": 4096},
+            "scheduler": {"max_num_seqs": batch, "max_waiting": 4 * batch},
+            "router": {"max_queued_requests": 4 * batch, "local_prefill_max_tokens": 1 << 20},
+        }
+    )
+
+
+def serve_router(config_json: str, decode_address: str, conn) -> None:  # type: ignore[no-untyped-def]
+    """A router process in front of the one decode worker; sends its address, serves until told."""
+    from cluster.config import ClusterConfig
+    from router.service.server import from_config
+
+    router = from_config(ClusterConfig.model_validate_json(config_json), lambda: {"decode-0": decode_address})
+    conn.send(router.start())
+    conn.recv()
+    router.stop()
+
+
+def run_clients(target: str, n: int, concurrency: int, max_tokens: int, conn) -> None:  # type: ignore[no-untyped-def]
+    """One client process: `n` requests of 16 prompt ids, `concurrency` at a time."""
+    import asyncio
+
+    from cli.bench import BenchRequest, _drive
+
+    requests = [BenchRequest([100 + (i * 7 + j) % 1500 for j in range(16)], max_tokens) for i in range(n)]
+    args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
+                              api_key=None, tls_ca=None, no_progress=True)  # fmt: skip
+    results, duration = asyncio.run(_drive(target, requests, args))
+    done = [r.timing for r in results if r.timing is not None]
+    conn.send({"duration_s": duration, "completed": len(done), "failed": len(results) - len(done),
+               "tokens": sum(t.output_tokens for t in done)})  # fmt: skip
+
+
+def measure(worker, config, routers: int, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+    import os
+
+    from serving_path import cpu_s
+
+    ctx = multiprocessing.get_context("spawn")
+    router_procs, targets = [], []
+    for _ in range(routers):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=serve_router, args=(config.model_dump_json(), worker.server.address, theirs))
+        proc.start()
+        targets.append(mine.recv())
+        router_procs.append((proc, mine))
+    clients = 2
+    per_client = args.batch // clients
+
+    def start_clients(n: int) -> list:
+        started = []
+        for i in range(clients):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=run_clients, args=(targets[i % routers], n, per_client, args.tokens, theirs))
+            proc.start()
+            started.append((proc, mine))
+        return started
+
+    pids = {"engine core": [worker.engine.process.pid], "worker front": [os.getpid()]}
+    pids["routers"] = [proc.pid for proc, _ in router_procs]
+    try:
+        for proc, mine in start_clients(per_client):  # a warm-up round: one request per stream
+            mine.recv()
+            proc.join()
+        measured = start_clients(per_client * args.rounds)
+        pids["clients"] = [proc.pid for proc, _ in measured]
+        time.sleep(1.0)  # the clients' imports are not serving
+        before = {name: sum(cpu_s(pid) for pid in ids) for name, ids in pids.items()}
+        steps_before, started = worker.engine.steps, time.perf_counter()
+        reports = [mine.recv() for _, mine in measured]
+        after = {name: sum(cpu_s(pid) for pid in ids) for name, ids in pids.items()}
+        wall, steps = time.perf_counter() - started, worker.engine.steps - steps_before
+        for proc, _ in measured:
+            proc.join()
+    finally:
+        for proc, mine in router_procs:
+            mine.send("stop")
+            proc.join(30)
+    tokens = sum(r["tokens"] for r in reports)
+    cpu = {name: after[name] - before[name] for name in pids}
+    client_s = max(r["duration_s"] for r in reports)
+    ideal_steps = 1 / (args.step_ms / 1e3)
+    return {
+        "routers": routers,
+        "failed": sum(r["failed"] for r in reports),
+        "steps_per_s": steps / wall,
+        "steps_fraction_of_ideal": steps / wall / ideal_steps,
+        "mean_batch": tokens / steps if steps else 0.0,
+        "tokens_per_s": tokens / client_s,
+        "tokens_fraction_of_ideal": tokens / client_s / (args.batch * ideal_steps),
+        "cpu_ms_per_step": {name: s / steps * 1e3 for name, s in cpu.items()},
+        "cpu_cores_busy": sum(cpu.values()) / wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per client stream in the measured part")
+    parser.add_argument("--routers", default="1,2", help="router process counts to measure")
+    args = parser.parse_args()
+
+    import functools
+
+    from serving_path import cpu_kind
+
+    from decode_worker import service as decode_service
+    from decode_worker.core import ProcessCore
+
+    config = bench_config(args.batch)
+    main_fn = functools.partial(stand_in_main, step_s=args.step_ms / 1e3)
+    core = ProcessCore.spawn(config, "decode-0", main=main_fn)
+    worker = decode_service.around(config, "decode-0", core, core.info.fingerprint)
+    worker.start()
+    rows = []
+    try:
+        for routers in [int(r) for r in args.routers.split(",")]:
+            rows.append(measure(worker, config, routers, args))
+            print_row(rows[-1])
+    finally:
+        worker.stop()
+    out = {"cpu": cpu_kind(), "cores": multiprocessing.cpu_count(), "batch": args.batch, "step_ms": args.step_ms,
+           "tokens": args.tokens, "rows": rows}  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "gpu_shaped.json").write_text(json.dumps(out, indent=2))
+    plot(out, RESULTS / "gpu_shaped.png")
+    print(f"\n{out['cpu']}, {out['cores']} cores; wrote {RESULTS / 'gpu_shaped.json'} and .png")
+
+
+def print_row(row: dict) -> None:
+    cpu = ", ".join(f"{name} {ms:.2f}" for name, ms in row["cpu_ms_per_step"].items())
+    print(
+        f"routers {row['routers']}: {row['steps_per_s']:.1f} steps/s ({row['steps_fraction_of_ideal']:.2f} of ideal), "
+        f"mean batch {row['mean_batch']:.0f}, {row['tokens_per_s']:,.0f} tok/s at the clients "
+        f"({row['tokens_fraction_of_ideal']:.2f} of ideal), {row['failed']} failed; CPU ms per step: {cpu}; "
+        f"{row['cpu_cores_busy']:.2f} cores busy"
+    )
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    names = list(rows[0]["cpu_ms_per_step"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{r['routers']} router(s)" for r in rows]
+    a.bar(labels, [r["tokens_fraction_of_ideal"] for r in rows], label="tokens at the clients")
+    a.axhline(0.95, color="k", linestyle="--", label="goal 0.95")
+    a.set_ylabel("fraction of the ideal")
+    a.set_title(f"batch {out['batch']}, {out['step_ms']:g} ms steps")
+    a.legend()
+    bottom = [0.0] * len(rows)
+    for name in names:
+        values = [r["cpu_ms_per_step"][name] for r in rows]
+        b.bar(labels, values, bottom=bottom, label=name)
+        bottom = [x + y for x, y in zip(bottom, values, strict=True)]
+    b.axhline(out["step_ms"] * out["cores"], color="k", linestyle="--", label="the cores' CPU per step")
+    b.set_ylabel("CPU ms per engine step")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
