@@ -77,6 +77,30 @@ def start_server(
     return result
 
 
+class Refused(Exception):
+    """A worker will not take a request: the status the caller gets, and why."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def check_submit(
+    worker: str, draining: bool, sampling: api_pb2.SamplingParams, waiting: int, limit: int
+) -> SamplingParams:
+    """A worker's checks before it takes a request: not draining (UNAVAILABLE), sampling parameters
+    that hold (INVALID_ARGUMENT), room in its queue (RESOURCE_EXHAUSTED). Raises `Refused`."""
+    if draining:
+        raise Refused(grpc.StatusCode.UNAVAILABLE, f"{worker} is draining")
+    try:
+        params = params_from_proto(sampling)
+    except ValueError as e:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}") from None
+    if waiting >= limit:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{worker} has {waiting} requests waiting")
+    return params
+
+
 def admit_submit(
     context: grpc.ServicerContext,
     worker: str,
@@ -85,17 +109,12 @@ def admit_submit(
     waiting: int,
     limit: int,
 ) -> SamplingParams:
-    """A worker's checks before it takes a `Worker.Submit`: not draining (UNAVAILABLE), sampling
-    parameters that hold (INVALID_ARGUMENT), room in its queue (RESOURCE_EXHAUSTED)."""
-    if draining:
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"{worker} is draining")
+    """`check_submit` for a `Worker.Submit`: a refusal ends the call with its status."""
     try:
-        params = params_from_proto(sampling)
-    except ValueError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
-    if waiting >= limit:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{worker} has {waiting} requests waiting")
-    return params
+        return check_submit(worker, draining, sampling, waiting, limit)
+    except Refused as e:
+        context.abort(e.code, e.details)
+        raise  # context.abort raises; this line is for the type checker
 
 
 def kv_events_message(batch: KVBatch) -> worker_pb2.KVEvents:

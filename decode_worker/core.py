@@ -73,6 +73,13 @@ class CoreHandle:
             self.text.close(request_id)
         return self._send("abort", request_id)
 
+    def abort_soon(self, request_id: str) -> None:
+        """Aborts without waiting for the engine's answer: what the front's frame reader calls, since the
+        answer to a call of its own would come through it."""
+        if self.text is not None:
+            self.text.close(request_id)
+        self._stop_after_text(request_id)
+
     def reserve(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, num_output: int = 0
     ) -> tuple[list[int], int]:

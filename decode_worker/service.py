@@ -10,6 +10,10 @@ Lifecycle of a request here:
                                    request's stream (or waits for a Submit that has not arrived yet)
     the stream ends                on finish; a cancelled or expired call aborts the request and
                                    frees its blocks at once
+    Steps                          a router's one stream for all its requests here: its submits and
+                                   cancels go up (read on a thread of their own), one frame per step
+                                   comes down (`decode_worker.steps.Link`); a request there lives as a
+                                   Submit's does, and the stream's end aborts every one still on it
     Watch                          each router's stream of this worker's load (`watch_loads`), on a
                                    thread of its own for the call's life
 
@@ -19,14 +23,16 @@ The engine is stepped by one thread; Submit, Abort and the transfer intake reach
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
-from tandem.v1 import api_pb2, worker_pb2
+from tandem.v1 import worker_pb2
 
 from cluster.config import AuthConfig, ClusterConfig
-from cluster.grpc_server import admit_submit
+from cluster.grpc_server import Refused, admit_submit, check_submit
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.kv.wire import model_fingerprint
@@ -35,68 +41,22 @@ from cluster.worker_shell import WorkerShell
 from decode_worker.core import ProcessCore, ThreadCore
 from decode_worker.engine_loop import Frame, build_engine
 from decode_worker.kv_intake import KVIntake
-from decode_worker.text import RequestOutput, merged
+from decode_worker.steps import Link, caught_up, speculation_stats, tokens_message
+from decode_worker.text import RequestOutput
 
 Core = ThreadCore | ProcessCore
-
-FINISH = {
-    None: api_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": api_pb2.FINISH_REASON_STOP,
-    "length": api_pb2.FINISH_REASON_LENGTH,
-    "abort": api_pb2.FINISH_REASON_ABORT,
-}
+ENGINE_FAILED = "the decode engine failed; see the worker's log"
 
 
-def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
-    """The worker's message for an engine output; the last one carries speculation counts and beams."""
-    logprobs = [
-        api_pb2.TokenLogprob(
-            token_id=token, logprob=lp, top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
-        )
-        for token, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)
-    ]
-    msg = worker_pb2.WorkerTokens(
-        request_id=out.request_id,
-        token_ids=out.token_ids,
-        logprobs=logprobs,
-        finish_reason=FINISH[out.finish_reason] if out.finished else api_pb2.FINISH_REASON_UNSPECIFIED,
-        text=out.text,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-    )
-    if out.finished and out.num_draft_tokens:
-        msg.speculation.CopyFrom(speculation_stats(out))
-    for beam in out.beams:
-        reason = FINISH[beam.finish_reason]
-        msg.beams.append(api_pb2.Beam(text=beam.text, token_ids=beam.token_ids, score=beam.score, finish_reason=reason))
-    return msg
+@dataclass
+class OnLink:
+    """A request a router placed here through its step stream."""
 
-
-def _caught_up(out: RequestOutput, stream: queue.Queue[RequestOutput | None]) -> RequestOutput:
-    """`out` and every output queued behind it, as one: a stream that lags behind the engine sends
-    one message for what it owes, never a backlog of one message per step. An engine failure queued
-    among them stays queued, for the next read."""
-    outputs = [out]
-    while not outputs[-1].finished:
-        try:
-            following = stream.get_nowait()
-        except queue.Empty:
-            break
-        if following is None:
-            stream.put(None)
-            break
-        outputs.append(following)
-    return merged(outputs)
-
-
-def speculation_stats(out: RequestOutput) -> api_pb2.SpeculationStats:
-    return api_pb2.SpeculationStats(
-        draft_tokens=out.num_draft_tokens,
-        accepted_tokens=out.num_accepted_tokens,
-        target_passes=out.num_passes,
-        acceptance_rate=out.num_accepted_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0,
-        tokens_per_pass=out.num_output_tokens / out.num_passes if out.num_passes else 0.0,
-    )
+    link: Link
+    parent: object  # its trace context
+    submitted: float
+    remote: bool
+    first_at: float = 0.0
 
 
 class DecodeWorker(WorkerShell[Core]):
@@ -117,6 +77,7 @@ class DecodeWorker(WorkerShell[Core]):
         if isinstance(engine, ProcessCore):
             engine.on_exit = self._core_died
         self._streams: dict[str, queue.Queue[RequestOutput | None]] = {}
+        self._links: dict[str, OnLink] = {}  # requests placed through a router's step stream
         self._early: dict[str, list[RequestOutput]] = {}  # outputs of transfers admitted before their Submit
         self._abandoned: set[str] = set()  # remote-prefill requests whose caller left before the KV arrived
 
@@ -170,8 +131,8 @@ class DecodeWorker(WorkerShell[Core]):
                 except queue.Empty:
                     continue
                 if out is None:  # the engine failed
-                    context.abort(grpc.StatusCode.INTERNAL, "the decode engine failed; see the worker's log")
-                out = _caught_up(out, stream)
+                    context.abort(grpc.StatusCode.INTERNAL, ENGINE_FAILED)
+                out = caught_up(out, stream)
                 first_at = first_at or time.time()
                 tokens += len(out.token_ids)
                 finished = out.finished
@@ -185,10 +146,61 @@ class DecodeWorker(WorkerShell[Core]):
             else:
                 self._cancel(rid, awaiting_kv=request.remote_prefill)
 
+    def Steps(
+        self, commands: Iterator[worker_pb2.StepCommand], context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.StepFrame]:
+        link = Link()
+        reader = threading.Thread(target=self._read_commands, args=(commands, link), daemon=True)
+        reader.start()
+        try:
+            yield from link.frames(context.is_active)
+        finally:  # the router is gone (or this worker stops): nothing of its requests is wanted here
+            link.close()
+            with self._lock:
+                left = [rid for rid, placed in self._links.items() if placed.link is link]
+            for rid in left:
+                self._cancel(rid)
+
+    def _read_commands(self, commands: Iterator[worker_pb2.StepCommand], link: Link) -> None:
+        try:
+            for command in commands:
+                if command.HasField("submit"):
+                    self._submit_on(link, command.submit, command.trace)
+                elif command.cancel:
+                    self._cancel(command.cancel)
+        except grpc.RpcError:
+            pass  # the call ended
+        finally:
+            link.close()
+
+    def _submit_on(self, link: Link, request: worker_pb2.WorkerRequest, trace) -> None:  # type: ignore[no-untyped-def]
+        """Submit's checks and start for a request that came up a step stream; a refusal is its end."""
+        rid = request.request_id
+        try:
+            waiting = self.engine.occupancy.waiting + self.intake.in_flight
+            max_waiting = self.engine.scheduler_config.max_waiting
+            params = check_submit(self.worker_id, self._draining, request.sampling, waiting, max_waiting)
+            with self._lock:
+                if rid in self._streams or rid in self._links:
+                    raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already streaming here")
+                parent = extract(list(trace.items()))
+                placed = self._links[rid] = OnLink(link, parent, time.time(), request.remote_prefill)
+                early = self._early.pop(rid, [])
+                if early:  # admitted before this command came: first, and in order
+                    self._took(rid, placed, early)
+            if not request.remote_prefill:
+                try:
+                    self.engine.add_request(rid, list(request.prompt_token_ids), params, list(request.output_token_ids))
+                except ValueError as e:
+                    self._forget(rid)
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Refused as e:
+            link.end(rid, e.code, e.details)
+
     def remaining(self) -> int:
         o = self.engine.occupancy
         with self._lock:
-            streams = len(self._streams)  # includes remote-prefill requests still waiting for their KV
+            streams = len(self._streams) + len(self._links)  # with remote prefills still waiting for their KV
         return max(o.running + o.waiting, streams) + self.intake.in_flight
 
     def load(self) -> worker_pb2.WorkerLoad:
@@ -263,23 +275,48 @@ class DecodeWorker(WorkerShell[Core]):
     def _forget(self, rid: str) -> None:
         with self._lock:
             self._streams.pop(rid, None)
+            self._links.pop(rid, None)
             self._early.pop(rid, None)
 
     def _run(self) -> None:
         self.engine.run(self._on_frame, self._stop)
 
     def _on_frame(self, frame: Frame) -> None:
-        """One turn of the engine loop: each output to its request's stream; a failed step fails
-        every stream (the router moves their requests)."""
+        """One turn of the engine loop: each output to its request's stream or step stream (one hand
+        over per step stream); a failed step fails every request (the router moves them)."""
         self.watchdog.progress()
         if frame.failed is not None:
             with self._lock:
                 streams = list(self._streams.values())
+                placed = list(self._links.items())
             for stream in streams:
                 stream.put(None)
+            for rid, on_link in placed:
+                on_link.link.end(rid, grpc.StatusCode.INTERNAL, ENGINE_FAILED)
+                self._forget(rid)
+                self.engine.abort_soon(rid)  # this is the frame reader's thread: no answer awaited
             return
-        for out in frame.outputs:
-            self._route(out)
+        finished: list[tuple[OnLink, RequestOutput]] = []
+        with self._lock:
+            by_link: dict[str, list[RequestOutput]] = {}
+            for out in frame.outputs:
+                if out.request_id in self._links:
+                    by_link.setdefault(out.request_id, []).append(out)
+                else:
+                    self._route(out)
+            for rid, outs in by_link.items():
+                finished += self._took(rid, self._links[rid], outs)
+        for placed, out in finished:
+            self._observe(placed.parent, out.request_id, placed.remote, placed.submitted, placed.first_at, out)
+
+    def _took(self, rid: str, placed: OnLink, outputs: list[RequestOutput]) -> list[tuple[OnLink, RequestOutput]]:
+        """Hands a step-stream request's outputs to its link (under `_lock`); a finished one leaves."""
+        placed.first_at = placed.first_at or time.time()
+        placed.link.put(outputs)
+        if outputs[-1].finished:
+            del self._links[rid]
+            return [(placed, outputs[-1])]
+        return []
 
     def _core_died(self) -> None:
         """The engine core process is gone (its streams have failed): this worker serves nothing more."""
@@ -290,18 +327,15 @@ class DecodeWorker(WorkerShell[Core]):
         self.on_fatal()
 
     def _route(self, out: RequestOutput) -> None:
-        with self._lock:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
-                return
-            abandoned = out.request_id in self._abandoned
-            if abandoned:
-                self._abandoned.discard(out.request_id)
-            else:
-                self._early.setdefault(out.request_id, []).append(out)
-        if abandoned:
-            self.engine.abort(out.request_id)
+        """A Submit stream's output (under `_lock`), or one whose request has not come yet."""
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+        elif out.request_id in self._abandoned:
+            self._abandoned.discard(out.request_id)
+            self.engine.abort_soon(out.request_id)  # this is the frame reader's thread: no answer awaited
+        else:
+            self._early.setdefault(out.request_id, []).append(out)
 
 
 def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:

@@ -231,7 +231,7 @@ def test_a_client_that_reads_nothing_holds_up_neither_the_engine_nor_the_other_s
 
 
 def test_a_stream_that_lags_sends_what_it_owes_in_one_message():
-    from decode_worker.service import _caught_up, tokens_message
+    from decode_worker.steps import caught_up, tokens_message
     from decode_worker.text import RequestOutput
 
     lp = (-0.5, [(1, -0.5)])
@@ -243,13 +243,13 @@ def test_a_stream_that_lags_sends_what_it_owes_in_one_message():
     )
     queued.put(None)  # the engine failed after the request's end: left for the next read
     first = queued.get()
-    message = tokens_message(_caught_up(first, queued))
+    message = tokens_message(caught_up(first, queued))
     assert list(message.token_ids) == [11, 12, 13, 14] and message.text == "t1t2t3!"
     assert len(message.logprobs) == 4 and message.finish_reason == api_pb2.FINISH_REASON_STOP
     assert queued.get_nowait() is None and queued.empty()
 
     queued.put(RequestOutput("r", [12], text="b"))
     queued.put(None)  # the engine failed mid-request: what came before goes out, the failure stays queued
-    message = tokens_message(_caught_up(RequestOutput("r", [11], text="a"), queued))
+    message = tokens_message(caught_up(RequestOutput("r", [11], text="a"), queued))
     assert list(message.token_ids) == [11, 12] and message.text == "ab" and not message.finish_reason
     assert queued.get_nowait() is None

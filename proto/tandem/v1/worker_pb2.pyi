@@ -7,6 +7,41 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StepCommand(_message.Message):
+    __slots__ = ("submit", "cancel", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    submit: WorkerRequest
+    cancel: str
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, submit: _Optional[_Union[WorkerRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StepFrame(_message.Message):
+    __slots__ = ("tokens", "ended")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[WorkerTokens]
+    ended: _containers.RepeatedCompositeFieldContainer[RequestEnded]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[WorkerTokens, _Mapping]]] = ..., ended: _Optional[_Iterable[_Union[RequestEnded, _Mapping]]] = ...) -> None: ...
+
+class RequestEnded(_message.Message):
+    __slots__ = ("request_id", "code", "details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class WorkerRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_target", "capability", "remote_prefill", "output_token_ids", "decode_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

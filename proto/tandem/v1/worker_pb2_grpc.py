@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.DrainResult.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/tandem.v1.Worker/Steps',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.StepCommand.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.StepFrame.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -101,6 +106,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Decode workers: one stream per router for every request it places here. The router's commands
+        go up (a request to run, as Submit takes it, or one to cancel); down comes one frame per engine
+        step with the news of every one of this router's requests that has any. A request that lagged
+        gets everything it is owed in one entry. When the stream ends, every request on it is aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +143,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.DrainResult.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StepCommand.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.StepFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +285,33 @@ class Worker:
             '/tandem.v1.Worker/Drain',
             tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.DrainResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/Steps',
+            tandem_dot_v1_dot_worker__pb2.StepCommand.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.StepFrame.FromString,
             options,
             channel_credentials,
             insecure,
