@@ -1,24 +1,25 @@
 """A GPU-shaped engine behind the real serving path: can the decode worker's front and the router keep
 up with an engine whose step costs the CPU nothing?
 
-    .venv/bin/python benchmarks/gpu_shaped.py [--batch 256] [--step-ms 10] [--tokens 64] [--routers 1,2]
+    .venv/bin/python benchmarks/gpu_shaped.py [--batch 256] [--step-ms 10] [--tokens 64] [--paths ...]
 
 The engine core is a stand-in (`StandInEngine`): each step sleeps `--step-ms` (as a GPU step leaves the
 CPU free) and gives every running request its next token, up to `--batch` requests at once, each
 `--tokens` long. It runs as a real engine core does: in a process of its own under the real
 `EngineLoop`, one `Frame` per step to the real decode worker's front (`decode_worker.service`, in
-this process), which detokenises and streams every request to the real router (in processes of its
-own), which relays to clients (in two processes of their own, `tandem bench`'s async client, `--batch`
-streams in all, closed loop). Only the model is missing.
+this process), which detokenises and streams every request. Two client processes keep `--batch`
+requests in flight (closed loop), by one of these paths (`--paths`, one row each):
 
-Per row (one per router count): the engine's steps/s against its ideal (1 / step time), the mean
-batch, the output tokens/s the clients received against the ideal (batch / step time), and each
-process's CPU per engine step: the engine core (all outside the model, which costs nothing here), the
-worker's front, the routers, the clients. Goals (the serving-path issue): ≥ 0.95 of the ideal steps/s
-at batch 256; the core ≤ 1 ms and the front ≤ 5 ms of CPU per step. Every process shares this
-machine's cores (2 here), so the row also says what the machine could give: the CPU the path needs
-per second of serving against the cores there are. Prints a table, writes
-`benchmarks/results/gpu_shaped.{json,png}`.
+    front submit   straight to the worker, a `Worker.Submit` call per request (a message per token)
+    front steps    straight to the worker, each client one `Worker.Steps` stream (a frame per step)
+    routers N      through N real router processes (`tandem bench`'s async client, the SDK)
+
+Per row: the engine's steps/s against its ideal (1 / step time), the mean batch, the output tokens/s
+the clients received against the ideal (batch / step time), and each process's CPU per engine step:
+the engine core (all outside the model, which costs nothing here), the worker's front, the routers,
+the clients. Goals (the serving-path issue): ≥ 0.95 of the ideal steps/s at batch 256; the core ≤ 1 ms
+and the front ≤ 5 ms of CPU per step. Every process shares this machine's cores (2 here), so the row
+also says how many cores were busy. Prints a table, writes `benchmarks/results/gpu_shaped.{json,png}`.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def run_clients(target: str, n: int, concurrency: int, max_tokens: int, conn) ->
     from cli.bench import BenchRequest, _drive
 
     requests = [BenchRequest([100 + (i * 7 + j) % 1500 for j in range(16)], max_tokens) for i in range(n)]
+    conn.send("ready")
+    conn.recv()  # go: every client starts at once, after its imports
     args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
                               api_key=None, tls_ca=None, no_progress=True)  # fmt: skip
     results, duration = asyncio.run(_drive(target, requests, args))
@@ -165,12 +168,89 @@ def run_clients(target: str, n: int, concurrency: int, max_tokens: int, conn) ->
                "tokens": sum(t.output_tokens for t in done)})  # fmt: skip
 
 
-def measure(worker, config, routers: int, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+def run_front_clients(address: str, mode: str, n: int, concurrency: int, max_tokens: int, conn) -> None:  # type: ignore[no-untyped-def]
+    """One client process speaking to the decode worker itself, as a router would: a `Submit` call
+    per request (`mode` "submit"), or every request up one `Steps` stream ("steps")."""
+    import os
+
+    from tandem.v1 import api_pb2, worker_pb2
+
+    params = api_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+    def request(i: int) -> worker_pb2.WorkerRequest:
+        prompt = [100 + (i * 7 + j) % 1500 for j in range(16)]
+        return worker_pb2.WorkerRequest(request_id=f"{os.getpid()}-{i}", prompt_token_ids=prompt, sampling=params)
+
+    conn.send("ready")
+    conn.recv()  # go: every client starts at once, after its imports
+    started = time.perf_counter()
+    tokens, failed = (_steps_client if mode == "steps" else _submit_client)(address, request, n, concurrency)
+    conn.send({"duration_s": time.perf_counter() - started, "completed": n - failed, "failed": failed,
+               "tokens": tokens})  # fmt: skip
+
+
+def _steps_client(address: str, request, n: int, concurrency: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    import queue
+
+    import grpc
+    from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    commands: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(address) as channel:
+        frames = worker_pb2_grpc.WorkerStub(channel).Steps(iter(commands.get, None))
+        sent = done = tokens = failed = 0
+        for _ in range(min(concurrency, n)):
+            commands.put(worker_pb2.StepCommand(submit=request(sent)))
+            sent += 1
+        for frame in frames:
+            ended = [t.request_id for t in frame.tokens if t.finish_reason] + [e.request_id for e in frame.ended]
+            tokens += sum(len(t.token_ids) for t in frame.tokens)
+            failed += len(frame.ended)
+            done += len(ended)
+            for _ in ended:
+                if sent < n:
+                    commands.put(worker_pb2.StepCommand(submit=request(sent)))
+                    sent += 1
+            if done >= n:
+                break
+        commands.put(None)
+    return tokens, failed
+
+
+def _submit_client(address: str, request, n: int, concurrency: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    import grpc
+    from tandem.v1 import worker_pb2_grpc
+
+    async def drive() -> tuple[int, int]:
+        limit = asyncio.Semaphore(concurrency)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+
+            async def one(i: int) -> tuple[int, int]:
+                async with limit:
+                    try:
+                        return sum([len(m.token_ids) async for m in stub.Submit(request(i))]), 0
+                    except grpc.RpcError:
+                        return 0, 1
+
+            results = await asyncio.gather(*(one(i) for i in range(n)))
+        return sum(r[0] for r in results), sum(r[1] for r in results)
+
+    return asyncio.run(drive())
+
+
+def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+    """One row: `path` is "routers N" (clients through N router processes) or "front submit" / "front
+    steps" (clients speaking to the worker itself, a call per request or one step stream each)."""
     import os
 
     from serving_path import cpu_s
 
     ctx = multiprocessing.get_context("spawn")
+    kind, how = path.split()
+    routers = int(how) if kind == "routers" else 0
     router_procs, targets = [], []
     for _ in range(routers):
         mine, theirs = ctx.Pipe()
@@ -185,22 +265,38 @@ def measure(worker, config, routers: int, args: argparse.Namespace) -> dict:  # 
         started = []
         for i in range(clients):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=run_clients, args=(targets[i % routers], n, per_client, args.tokens, theirs))
+            if routers:
+                client = (run_clients, (targets[i % routers], n, per_client, args.tokens, theirs))
+            else:
+                client = (run_front_clients, (worker.server.address, how, n, per_client, args.tokens, theirs))
+            proc = ctx.Process(target=client[0], args=client[1])
             proc.start()
             started.append((proc, mine))
         return started
 
     pids = {"engine core": [worker.engine.process.pid], "worker front": [os.getpid()]}
-    pids["routers"] = [proc.pid for proc, _ in router_procs]
+    if routers:
+        pids["routers"] = [proc.pid for proc, _ in router_procs]
+
+    def ready(clients: list) -> None:
+        for _, mine in clients:
+            assert mine.recv() == "ready"
+
     try:
-        for proc, mine in start_clients(per_client):  # a warm-up round: one request per stream
+        warm_up = start_clients(per_client)  # a warm-up round: one request per stream
+        ready(warm_up)
+        for _, mine in warm_up:
+            mine.send("go")
+        for proc, mine in warm_up:
             mine.recv()
             proc.join()
         measured = start_clients(per_client * args.rounds)
         pids["clients"] = [proc.pid for proc, _ in measured]
-        time.sleep(1.0)  # the clients' imports are not serving
+        ready(measured)  # their imports are not serving
         before = {name: sum(cpu_s(pid) for pid in ids) for name, ids in pids.items()}
         steps_before, started = worker.engine.steps, time.perf_counter()
+        for _, mine in measured:
+            mine.send("go")
         reports = [mine.recv() for _, mine in measured]
         after = {name: sum(cpu_s(pid) for pid in ids) for name, ids in pids.items()}
         wall, steps = time.perf_counter() - started, worker.engine.steps - steps_before
@@ -212,10 +308,10 @@ def measure(worker, config, routers: int, args: argparse.Namespace) -> dict:  # 
             proc.join(30)
     tokens = sum(r["tokens"] for r in reports)
     cpu = {name: after[name] - before[name] for name in pids}
-    client_s = max(r["duration_s"] for r in reports)
+    client_s = wall
     ideal_steps = 1 / (args.step_ms / 1e3)
     return {
-        "routers": routers,
+        "path": path,
         "failed": sum(r["failed"] for r in reports),
         "steps_per_s": steps / wall,
         "steps_fraction_of_ideal": steps / wall / ideal_steps,
@@ -233,7 +329,11 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client stream in the measured part")
-    parser.add_argument("--routers", default="1,2", help="router process counts to measure")
+    parser.add_argument(
+        "--paths", default="front submit,front steps,routers 1,routers 2",
+        help="rows: clients on the worker itself (`front submit`: a call per request, `front steps`: one step "
+        "stream per client) or through N router processes (`routers N`)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import functools
@@ -250,8 +350,8 @@ def main() -> None:
     worker.start()
     rows = []
     try:
-        for routers in [int(r) for r in args.routers.split(",")]:
-            rows.append(measure(worker, config, routers, args))
+        for path in args.paths.split(","):
+            rows.append(measure(worker, config, path, args))
             print_row(rows[-1])
     finally:
         worker.stop()
@@ -266,7 +366,7 @@ def main() -> None:
 def print_row(row: dict) -> None:
     cpu = ", ".join(f"{name} {ms:.2f}" for name, ms in row["cpu_ms_per_step"].items())
     print(
-        f"routers {row['routers']}: {row['steps_per_s']:.1f} steps/s ({row['steps_fraction_of_ideal']:.2f} of ideal), "
+        f"{row['path']}: {row['steps_per_s']:.1f} steps/s ({row['steps_fraction_of_ideal']:.2f} of ideal), "
         f"mean batch {row['mean_batch']:.0f}, {row['tokens_per_s']:,.0f} tok/s at the clients "
         f"({row['tokens_fraction_of_ideal']:.2f} of ideal), {row['failed']} failed; CPU ms per step: {cpu}; "
         f"{row['cpu_cores_busy']:.2f} cores busy"
@@ -280,9 +380,9 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = out["rows"]
-    names = list(rows[0]["cpu_ms_per_step"])
+    names = list(dict.fromkeys(name for r in rows for name in r["cpu_ms_per_step"]))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['routers']} router(s)" for r in rows]
+    labels = [r["path"] for r in rows]
     a.bar(labels, [r["tokens_fraction_of_ideal"] for r in rows], label="tokens at the clients")
     a.axhline(0.95, color="k", linestyle="--", label="goal 0.95")
     a.set_ylabel("fraction of the ideal")
@@ -290,7 +390,7 @@ def plot(out: dict, path: Path) -> None:
     a.legend()
     bottom = [0.0] * len(rows)
     for name in names:
-        values = [r["cpu_ms_per_step"][name] for r in rows]
+        values = [r["cpu_ms_per_step"].get(name, 0.0) for r in rows]
         b.bar(labels, values, bottom=bottom, label=name)
         bottom = [x + y for x, y in zip(bottom, values, strict=True)]
     b.axhline(out["step_ms"] * out["cores"], color="k", linestyle="--", label="the cores' CPU per step")

@@ -61,6 +61,15 @@ class CoreHandle:
         with self._text_for(request_id, [*prompt_token_ids, *output_token_ids], params.stop):
             self._send("add_request", request_id, prompt_token_ids, params, output_token_ids)
 
+    def submit(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        output_token_ids: Sequence[int], refused: Callable[[Exception], None],
+    ) -> None:  # fmt: skip
+        """`add_request` without waiting for the engine to take it (a step stream submits many a step);
+        if the engine refuses it, `refused` gets what it raised (on the frame reader's thread)."""
+        with self._text_for(request_id, [*prompt_token_ids, *output_token_ids], params.stop):
+            self._send_later("add_request", (request_id, prompt_token_ids, params, output_token_ids), refused)
+
     def admit(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, first_token: int,
         logprob: TokenLogprob | None = None, num_output: int = 0,
@@ -89,6 +98,9 @@ class CoreHandle:
         self._send("release", request_id)
 
     def _send(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _send_later(self, method: str, args: tuple, refused: Callable[[Exception], None]) -> None:
         raise NotImplementedError
 
     def _stop_after_text(self, request_id: str) -> None:
@@ -131,6 +143,7 @@ class ThreadCore(CoreHandle):
         self.changes = engine.changes
         self.steps = 0
         self.text = TextStreams(engine.tokenizer) if engine.text is None else None
+        self.unanswered = 0  # `submit` takes effect at once here
 
     @property
     def occupancy(self) -> Occupancy:
@@ -145,6 +158,14 @@ class ThreadCore(CoreHandle):
 
     def _send(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
+
+    def _send_later(self, method: str, args: tuple, refused: Callable[[Exception], None]) -> None:
+        try:
+            getattr(self.engine, method)(*args)
+        except Exception as e:
+            if self.text is not None:
+                self.text.close(args[0])
+            refused(e)
 
     def _stop_after_text(self, request_id: str) -> None:
         self.engine.abort(request_id)  # on the stepping thread, between steps
@@ -197,6 +218,8 @@ class ProcessCore(CoreHandle):
         self._commands, self._events = commands, events
         self._send_lock = threading.Lock()
         self._calls: dict[int, tuple[threading.Event, list]] = {}
+        self._later: dict[int, tuple[str, Callable[[Exception], None]]] = {}  # unanswered, by call id
+        self._later_lock = threading.Lock()  # never held across a pipe write: the frame reader takes it
         self._ids = itertools.count()
         self._stopping = False
 
@@ -247,10 +270,17 @@ class ProcessCore(CoreHandle):
                 on_frame(message)
             else:
                 call_id, ok, value = message
+                with self._later_lock:
+                    later = self._later.pop(call_id, None)  # answered only when it failed
+                if later is not None:
+                    if self.text is not None:
+                        self.text.close(later[0])
+                    later[1](value)
                 waiting = self._calls.get(call_id)
                 if waiting is not None:
                     waiting[1].append((ok, value))
                     waiting[0].set()
+        self._later.clear()  # their requests fail with the frame below
         for done, result in list(self._calls.values()):  # calls in flight get the news
             result.append((False, CoreDied("the engine core process is gone")))
             done.set()
@@ -262,7 +292,7 @@ class ProcessCore(CoreHandle):
     def stop(self) -> None:
         self._stopping = True
         with self._send_lock, contextlib.suppress(OSError, ValueError):
-            self._commands.send(("stop", -1, ()))
+            self._commands.send(("stop", -1, (), None))
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
@@ -270,11 +300,12 @@ class ProcessCore(CoreHandle):
 
     def _send(self, method: str, *args: Any) -> Any:
         """A round trip: the engine's answer, or what it raised."""
-        call_id = next(self._ids)
         done, result = threading.Event(), []
-        self._calls[call_id] = (done, result)
+        call_id = -1
         try:
-            self._command(method, call_id, args)
+            call_id = self._command(
+                method, args, "always", lambda call_id: self._calls.__setitem__(call_id, (done, result))
+            )
             if not done.wait(self.call_timeout_s):
                 raise CoreDied(f"the engine core did not answer {method} within {self.call_timeout_s:g} s")
         finally:
@@ -284,19 +315,52 @@ class ProcessCore(CoreHandle):
             raise value
         return value
 
+    def _send_later(self, method: str, args: tuple, refused: Callable[[Exception], None]) -> None:
+        """A command answered only if it fails; the frames say which commands the core has taken."""
+        call_id = -1
+        try:
+            call_id = self._command(
+                method, args, "errors", lambda call_id: self._register_later(call_id, args[0], refused)
+            )
+        except CoreDied:
+            with self._later_lock:
+                self._later.pop(call_id, None)
+            raise
+
+    def _register_later(self, call_id: int, request_id: str, refused: Callable[[Exception], None]) -> None:
+        with self._later_lock:
+            self._later[call_id] = (request_id, refused)
+
+    @property
+    def unanswered(self) -> int:
+        """Requests sent with `submit` that the core has not taken yet."""
+        return len(self._later)
+
     def _stop_after_text(self, request_id: str) -> None:
         with contextlib.suppress(CoreDied):  # no answer wanted: the frame reader must not wait on itself
-            self._command("abort", None, (request_id,))
+            self._command("abort", (request_id,), None)
 
-    def _command(self, method: str, call_id: int | None, args: tuple) -> None:
+    def _command(
+        self, method: str, args: tuple, answer: str | None, register: Callable[[int], None] | None = None
+    ) -> int:
+        """Sends a command under the next call id, in id order (`register` sees the id first). The core
+        answers it "always", only on "errors", or never (None)."""
         with self._send_lock:
+            call_id = next(self._ids)
+            if register is not None:
+                register(call_id)
             try:
-                self._commands.send((method, call_id, args))
+                self._commands.send((method, call_id, args, answer))
             except (OSError, ValueError):
                 raise CoreDied("the engine core process is gone") from None
+        return call_id
 
     def _take(self, frame: Frame) -> None:
         self.occupancy, self.has_unfinished, self.steps = frame.occupancy, frame.busy, frame.steps
+        if self._later:
+            with self._later_lock:
+                for call_id in [c for c in self._later if c <= frame.taken]:  # taken without an error
+                    del self._later[call_id]
         if frame.kv is not None:
             replay(self.kv_journal, frame.kv)
         self.changes.bump()

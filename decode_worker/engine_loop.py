@@ -45,6 +45,7 @@ class Frame:
     busy: bool = False
     failed: str | None = None
     steps: int = 0  # the engine's steps so far
+    taken: int = -1  # the last command the core applied (its call id; commands come in id order)
 
 
 OnFrame = Callable[[Frame], None]
@@ -109,6 +110,7 @@ class EngineLoop:
         self.cursor: int | None = None  # the journal's events the front has
         self.sent = engine.changes.version  # the change count the last frame (or the hello) told
         self.steps = 0
+        self.taken = -1
 
     def run(self) -> None:
         engine = self.engine
@@ -137,20 +139,21 @@ class EngineLoop:
         batch = engine.kv_journal.since(self.cursor)
         if batch is not None:
             self.cursor = batch.last
-        self.events.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps))
+        self.events.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps, self.taken))
 
     def _apply_commands(self) -> bool:
         """Every command waiting; False on `stop`."""
         while self.commands.poll(0):
-            method, call_id, args = self.commands.recv()
+            method, call_id, args, answer = self.commands.recv()
             if method == "stop":
                 return False
             try:
                 reply = (call_id, True, getattr(self.engine, method)(*args))
             except Exception as e:
                 reply = (call_id, False, _picklable(e))
-            if call_id is None:
-                continue  # no answer wanted (a stop string's abort); the turn's frame tells the load
+            self.taken = call_id
+            if answer is None or (answer == "errors" and reply[1]):
+                continue  # no answer wanted (a stop string's abort, a submit taken): the turn's frame tells
             if self.engine.changes.version != self.sent:
                 self._send_frame([])  # first: a call returns once its front's load shows what it changed
             self.events.send(reply)

@@ -177,7 +177,7 @@ class DecodeWorker(WorkerShell[Core]):
         """Submit's checks and start for a request that came up a step stream; a refusal is its end."""
         rid = request.request_id
         try:
-            waiting = self.engine.occupancy.waiting + self.intake.in_flight
+            waiting = self.engine.occupancy.waiting + self.intake.in_flight + self.engine.unanswered
             max_waiting = self.engine.scheduler_config.max_waiting
             params = check_submit(self.worker_id, self._draining, request.sampling, waiting, max_waiting)
             with self._lock:
@@ -189,11 +189,13 @@ class DecodeWorker(WorkerShell[Core]):
                 if early:  # admitted before this command came: first, and in order
                     self._took(rid, placed, early)
             if not request.remote_prefill:
-                try:
-                    self.engine.add_request(rid, list(request.prompt_token_ids), params, list(request.output_token_ids))
-                except ValueError as e:
+
+                def refused(e: Exception) -> None:
                     self._forget(rid)
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                    link.end(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+                prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+                self.engine.submit(rid, prompt, params, output, refused)  # no wait: the stream's next submit goes on
         except Refused as e:
             link.end(rid, e.code, e.details)
 

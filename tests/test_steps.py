@@ -43,7 +43,9 @@ class StepStream:
         self.frames = stub.Steps(iter(self.commands.get, None), timeout=60)
 
     def submit(self, rid: str, prompt: list[int], max_tokens: int, **sampling) -> None:  # type: ignore[no-untyped-def]
-        params = api_pb2.SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, **sampling})
+        params = api_pb2.SamplingParams(
+            **{"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, **sampling}
+        )
         request = worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=prompt, sampling=params)
         self.commands.put(worker_pb2.StepCommand(submit=request))
 
@@ -106,13 +108,16 @@ def test_refusals_end_with_submits_status_and_a_cancel_frees_the_blocks(worker):
     stream.submit("long", PROMPTS[0], 400)
     stream.submit("bad", PROMPTS[1], 8, temperature=-1.0)
     stream.submit("long", PROMPTS[1], 8)  # the same id again
-    frames = stream.until(lambda fs: sum(len(f.ended) for f in fs) >= 2)
+    stream.submit("too-long", PROMPTS[1], 1024 - len(PROMPTS[1]) + 1)  # past the model's context: the engine says so
+    frames = stream.until(lambda fs: sum(len(f.ended) for f in fs) >= 3)
     ended = {(e.request_id, e.code, e.details) for f in frames for e in f.ended}
     assert {(rid, code) for rid, code, _ in ended} == {
         ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0]),
         ("long", grpc.StatusCode.ALREADY_EXISTS.value[0]),  # the first 'long' runs on
+        ("too-long", grpc.StatusCode.INVALID_ARGUMENT.value[0]),
     }, ended
     assert any("sampling" in details for rid, _, details in ended if rid == "bad")
+    assert any("max_tokens" in details for rid, _, details in ended if rid == "too-long")
     stream.until(lambda fs: any(t.request_id == "long" for f in fs for t in f.tokens))  # the first 'long' runs on
     stream.cancel("long")
     wait_idle(worker)
