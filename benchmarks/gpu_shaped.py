@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "proto"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from gpu_shaped_clients import run_clients, run_front_clients  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "models" / "tandem-demo-code"
 
@@ -151,94 +153,49 @@ def serve_router(config_json: str, decode_address: str, conn) -> None:  # type: 
     router.stop()
 
 
-def run_clients(target: str, n: int, concurrency: int, max_tokens: int, conn) -> None:  # type: ignore[no-untyped-def]
-    """One client process: `n` requests of 16 prompt ids, `concurrency` at a time."""
-    import asyncio
-
-    from cli.bench import BenchRequest, _drive
-
-    requests = [BenchRequest([100 + (i * 7 + j) % 1500 for j in range(16)], max_tokens) for i in range(n)]
-    conn.send("ready")
-    conn.recv()  # go: every client starts at once, after its imports
-    args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
-                              api_key=None, tls_ca=None, no_progress=True)  # fmt: skip
-    results, duration = asyncio.run(_drive(target, requests, args))
-    done = [r.timing for r in results if r.timing is not None]
-    conn.send({"duration_s": duration, "completed": len(done), "failed": len(results) - len(done),
-               "tokens": sum(t.output_tokens for t in done)})  # fmt: skip
+def start_routers(ctx, config, decode_address: str, n: int) -> tuple[list, list[str]]:  # type: ignore[no-untyped-def]
+    """`n` router processes in front of the decode worker: (process, pipe) each, and their addresses."""
+    procs, targets = [], []
+    for _ in range(n):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=serve_router, args=(config.model_dump_json(), decode_address, theirs))
+        proc.start()
+        targets.append(mine.recv())
+        procs.append((proc, mine))
+    return procs, targets
 
 
-def run_front_clients(address: str, mode: str, n: int, concurrency: int, max_tokens: int, conn) -> None:  # type: ignore[no-untyped-def]
-    """One client process speaking to the decode worker itself, as a router would: a `Submit` call
-    per request (`mode` "submit"), or every request up one `Steps` stream ("steps")."""
-    import os
-
-    from tandem.v1 import api_pb2, worker_pb2
-
-    params = api_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-
-    def request(i: int) -> worker_pb2.WorkerRequest:
-        prompt = [100 + (i * 7 + j) % 1500 for j in range(16)]
-        return worker_pb2.WorkerRequest(request_id=f"{os.getpid()}-{i}", prompt_token_ids=prompt, sampling=params)
-
-    conn.send("ready")
-    conn.recv()  # go: every client starts at once, after its imports
-    started = time.perf_counter()
-    tokens, failed = (_steps_client if mode == "steps" else _submit_client)(address, request, n, concurrency)
-    conn.send({"duration_s": time.perf_counter() - started, "completed": n - failed, "failed": failed,
-               "tokens": tokens})  # fmt: skip
+def start_clients(ctx, worker, targets: list[str], how: str, n: int, args: argparse.Namespace) -> list:  # type: ignore[no-untyped-def]
+    """Two client processes, `args.batch` streams in all, `n` requests each: through the routers at
+    `targets`, or (none) straight to the worker by `how` ("submit" or "steps")."""
+    started = []
+    for i in range(2):
+        mine, theirs = ctx.Pipe()
+        if targets:
+            client = (run_clients, (targets[i % len(targets)], n, args.batch // 2, args.tokens, theirs))
+        else:
+            client = (run_front_clients, (worker.server.address, how, n, args.batch // 2, args.tokens, theirs))
+        proc = ctx.Process(target=client[0], args=client[1])
+        proc.start()
+        started.append((proc, mine))
+    return started
 
 
-def _steps_client(address: str, request, n: int, concurrency: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    import queue
-
-    import grpc
-    from tandem.v1 import worker_pb2, worker_pb2_grpc
-
-    commands: queue.Queue = queue.Queue()
-    with grpc.insecure_channel(address) as channel:
-        frames = worker_pb2_grpc.WorkerStub(channel).Steps(iter(commands.get, None))
-        sent = done = tokens = failed = 0
-        for _ in range(min(concurrency, n)):
-            commands.put(worker_pb2.StepCommand(submit=request(sent)))
-            sent += 1
-        for frame in frames:
-            ended = [t.request_id for t in frame.tokens if t.finish_reason] + [e.request_id for e in frame.ended]
-            tokens += sum(len(t.token_ids) for t in frame.tokens)
-            failed += len(frame.ended)
-            done += len(ended)
-            for _ in ended:
-                if sent < n:
-                    commands.put(worker_pb2.StepCommand(submit=request(sent)))
-                    sent += 1
-            if done >= n:
-                break
-        commands.put(None)
-    return tokens, failed
-
-
-def _submit_client(address: str, request, n: int, concurrency: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    import asyncio
-
-    import grpc
-    from tandem.v1 import worker_pb2_grpc
-
-    async def drive() -> tuple[int, int]:
-        limit = asyncio.Semaphore(concurrency)
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-
-            async def one(i: int) -> tuple[int, int]:
-                async with limit:
-                    try:
-                        return sum([len(m.token_ids) async for m in stub.Submit(request(i))]), 0
-                    except grpc.RpcError:
-                        return 0, 1
-
-            results = await asyncio.gather(*(one(i) for i in range(n)))
-        return sum(r[0] for r in results), sum(r[1] for r in results)
-
-    return asyncio.run(drive())
+def go(clients: list, mark=None) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Starts the clients together once all are ready and collects their reports; `mark("before")` runs
+    just before they start, `mark("after")` once they all reported (while they still live)."""
+    for _, mine in clients:
+        assert mine.recv() == "ready"  # their imports are not serving
+    if mark is not None:
+        mark("before")
+    for _, mine in clients:
+        mine.send("go")
+    reports = [mine.recv() for _, mine in clients]
+    if mark is not None:
+        mark("after")
+    for proc, _ in clients:
+        proc.join()
+    return reports
 
 
 def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
@@ -250,65 +207,27 @@ def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # typ
 
     ctx = multiprocessing.get_context("spawn")
     kind, how = path.split()
-    routers = int(how) if kind == "routers" else 0
-    router_procs, targets = [], []
-    for _ in range(routers):
-        mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=serve_router, args=(config.model_dump_json(), worker.server.address, theirs))
-        proc.start()
-        targets.append(mine.recv())
-        router_procs.append((proc, mine))
-    clients = 2
-    per_client = args.batch // clients
-
-    def start_clients(n: int) -> list:
-        started = []
-        for i in range(clients):
-            mine, theirs = ctx.Pipe()
-            if routers:
-                client = (run_clients, (targets[i % routers], n, per_client, args.tokens, theirs))
-            else:
-                client = (run_front_clients, (worker.server.address, how, n, per_client, args.tokens, theirs))
-            proc = ctx.Process(target=client[0], args=client[1])
-            proc.start()
-            started.append((proc, mine))
-        return started
-
+    router_procs, targets = start_routers(ctx, config, worker.server.address, int(how) if kind == "routers" else 0)
     pids = {"engine core": [worker.engine.process.pid], "worker front": [os.getpid()]}
-    if routers:
+    if router_procs:
         pids["routers"] = [proc.pid for proc, _ in router_procs]
+    marks: dict[str, tuple] = {}
 
-    def ready(clients: list) -> None:
-        for _, mine in clients:
-            assert mine.recv() == "ready"
+    def mark(name: str) -> None:
+        marks[name] = ({n: sum(cpu_s(pid) for pid in ids) for n, ids in pids.items()}, worker.engine.steps,
+                       time.perf_counter())  # fmt: skip
 
     try:
-        warm_up = start_clients(per_client)  # a warm-up round: one request per stream
-        ready(warm_up)
-        for _, mine in warm_up:
-            mine.send("go")
-        for proc, mine in warm_up:
-            mine.recv()
-            proc.join()
-        measured = start_clients(per_client * args.rounds)
+        go(start_clients(ctx, worker, targets, how, args.batch // 2, args))  # a warm-up round: a request a stream
+        measured = start_clients(ctx, worker, targets, how, args.batch // 2 * args.rounds, args)
         pids["clients"] = [proc.pid for proc, _ in measured]
-        ready(measured)  # their imports are not serving
-        before = {name: sum(cpu_s(pid) for pid in ids) for name, ids in pids.items()}
-        steps_before, started = worker.engine.steps, time.perf_counter()
-        for _, mine in measured:
-            mine.send("go")
-        reports = [mine.recv() for _, mine in measured]
-        after = {name: sum(cpu_s(pid) for pid in ids) for name, ids in pids.items()}
-        wall, steps = time.perf_counter() - started, worker.engine.steps - steps_before
-        for proc, _ in measured:
-            proc.join()
+        reports = go(measured, mark)
     finally:
         for proc, mine in router_procs:
             mine.send("stop")
             proc.join(30)
-    tokens = sum(r["tokens"] for r in reports)
-    cpu = {name: after[name] - before[name] for name in pids}
-    client_s = wall
+    (cpu0, steps0, t0), (cpu1, steps1, t1) = marks["before"], marks["after"]
+    wall, steps, tokens = t1 - t0, steps1 - steps0, sum(r["tokens"] for r in reports)
     ideal_steps = 1 / (args.step_ms / 1e3)
     return {
         "path": path,
@@ -316,10 +235,10 @@ def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # typ
         "steps_per_s": steps / wall,
         "steps_fraction_of_ideal": steps / wall / ideal_steps,
         "mean_batch": tokens / steps if steps else 0.0,
-        "tokens_per_s": tokens / client_s,
-        "tokens_fraction_of_ideal": tokens / client_s / (args.batch * ideal_steps),
-        "cpu_ms_per_step": {name: s / steps * 1e3 for name, s in cpu.items()},
-        "cpu_cores_busy": sum(cpu.values()) / wall,
+        "tokens_per_s": tokens / wall,
+        "tokens_fraction_of_ideal": tokens / wall / (args.batch * ideal_steps),
+        "cpu_ms_per_step": {name: (cpu1[name] - cpu0[name]) / steps * 1e3 for name in pids},
+        "cpu_cores_busy": sum(cpu1[name] - cpu0[name] for name in pids) / wall,
     }
 
 

@@ -44,7 +44,8 @@ def config(speculative: dict | None = None):  # type: ignore[no-untyped-def,type
         {
             "model": {"path": str(DEMO), "dtype": "float32"},
             "cache": {"block_size": 16, "num_blocks": 256},
-            "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 256},
+            # The engine on the worker's thread: the core process is test_engine_core.py's and the Ray modules'.
+            "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 256, "engine_core": "thread"},
             "router": {"local_prefill_max_tokens": LOCAL_MAX, "migration_limit": 3, "prefix_routing": "random"},
             "speculative": speculative or {},
         }
