@@ -212,20 +212,19 @@ def test_ray_exported_gauges_follow_a_worker_within_the_stated_time(cluster, pro
 def test_every_grafana_query_parses_and_names_a_metric_prometheus_has(cluster, prometheus):
     api = prometheus.api
 
-    def families() -> set[str]:
+    def names() -> set[str]:
         with urllib.request.urlopen(f"{api}/api/v1/metadata", timeout=10) as r:
-            return set(json.load(r)["data"])
+            families = set(json.load(r)["data"])
+        return families | {family + suffix for family in families for suffix in ("_bucket", "_sum", "_count", "_total")}
 
-    # Prometheus keeps a target's metadata from its last good scrape: on a loaded machine a scrape
-    # that ran past its 1 s timeout leaves that target's families out until the next one.
-    names = wait_for(lambda: (f := families()) >= {"tandem_ttft_seconds", "tandem_kv_cache_usage"} and f, 30,
-                     "Prometheus has the router's and the workers' metric families")  # fmt: skip
-    families_seen = set(names)
-    for family in families_seen:
-        names |= {family + suffix for suffix in ("_bucket", "_sum", "_count", "_total")}
     exprs = dashboards.expressions(prometheus.dashboard)
     assert len(exprs) > 20
+    named = {expr: set(re.findall(r"\b(?:ray_)?tandem_[a-z0-9_]+\b", expr)) for expr in exprs}
+    assert all(named.values()), [expr for expr, found in named.items() if not found]
+    # Prometheus keeps a target's metadata from its last good scrape: on a loaded machine a scrape past
+    # its 1 s timeout leaves that target's families out until the next good one.
+    wanted = set().union(*named.values())
+    have = wait_for(lambda: (n := names()) >= wanted and n, 30, "Prometheus has every family the dashboard queries")
     for expr in exprs:
         query(api, expr)  # a query that does not parse is an error (HTTP 400)
-        named = set(re.findall(r"\b(?:ray_)?tandem_[a-z0-9_]+\b", expr))
-        assert named and named <= names, (expr, named - names)
+        assert named[expr] <= have, (expr, named[expr] - have)
