@@ -198,6 +198,14 @@ class Dispatcher:
             watcher = asyncio.create_task(watch_prefill(prefill_call, decode_call, result, first))
         try:
             async for raw, arrived, source in self._relay(decode_call, first, tokens, params):
+                if (
+                    watcher is not None
+                    and "cached" not in result
+                    and worker_pb2.WorkerTokens.FromString(raw).finish_reason
+                ):
+                    # The decode worker finished before this loop heard the prefill worker's first message,
+                    # which carries the prompt's cached tokens for the usage: its call has ended or soon will.
+                    await asyncio.wait([watcher], timeout=1.0)
                 if "cached" in result:
                     stream.cached_tokens = result["cached"]  # type: ignore[assignment]
                 yield raw, arrived, source
