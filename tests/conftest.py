@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random-weight models written by transformers' `save_pretrained`, and the
-real model; and how `make test` spreads the modules over its two pytest-xdist workers."""
+real model; and how the modules spread over two pytest-xdist workers when asked to (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -162,8 +162,8 @@ WITH_THE_RAY_GROUP = {
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
-    """Groups for `pytest -n 2 --dist loadgroup` (what `make test` runs): a module's tests stay in one
-    worker, so its module-scoped clusters, servers and models are built once; every module marked
+    """Groups for `pytest -n 2 --dist loadgroup` (`make test PYTEST_WORKERS=...`): a module's tests stay
+    in one worker, so its module-scoped clusters, servers and models are built once; every module marked
     `ray` shares one group, so no two Ray clusters start at once; modules that use a slow session
     fixture share a group. The `ray` group goes first (`RAY_LAST` at its end): it is the longest, the
     other worker takes the rest, at the lowest CPU priority (`pytest_runtest_setup`)."""
