@@ -46,6 +46,7 @@ from decode_worker.text import RequestOutput
 
 Core = ThreadCore | ProcessCore
 ENGINE_FAILED = "the decode engine failed; see the worker's log"
+Handed = dict[Link, list[RequestOutput]]  # a step's outputs by the step stream they go to
 
 
 @dataclass
@@ -306,15 +307,24 @@ class DecodeWorker(WorkerShell[Core]):
                     by_link.setdefault(out.request_id, []).append(out)
                 else:
                     self._route(out)
+            handed: Handed = {}
             for rid, outs in by_link.items():
-                finished += self._took(rid, self._links[rid], outs)
+                finished += self._took(rid, self._links[rid], outs, handed)
+            for link, outs in handed.items():
+                link.put(outs)  # one hand over per step stream
         for placed, out in finished:
             self._observe(placed.parent, out.request_id, placed.remote, placed.submitted, placed.first_at, out)
 
-    def _took(self, rid: str, placed: OnLink, outputs: list[RequestOutput]) -> list[tuple[OnLink, RequestOutput]]:
-        """Hands a step-stream request's outputs to its link (under `_lock`); a finished one leaves."""
+    def _took(
+        self, rid: str, placed: OnLink, outputs: list[RequestOutput], handed: Handed | None = None
+    ) -> list[tuple[OnLink, RequestOutput]]:
+        """A step-stream request's outputs, for its link (under `_lock`): added to `handed` to go over
+        with the rest of the step, or handed over now; a finished request leaves."""
         placed.first_at = placed.first_at or time.time()
-        placed.link.put(outputs)
+        if handed is None:
+            placed.link.put(outputs)
+        else:
+            handed.setdefault(placed.link, []).extend(outputs)
         if outputs[-1].finished:
             del self._links[rid]
             return [(placed, outputs[-1])]
