@@ -38,6 +38,10 @@ def fake_token(prompt: Sequence[int], index: int) -> int:
     return (sum(prompt) * 31 + len(prompt) * 7 + index * 13) % (VOCAB - 10) + 10
 
 
+class Died(Exception):
+    """The fake worker died: every stream of it breaks with UNAVAILABLE."""
+
+
 class FakeTokenizer:
     """Words to ids and back: token `t` is the word `t<t>`."""
 
@@ -112,7 +116,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # it when a request's grammar ends or a stop string completes across steps).
         self.finish_apart = False
         self.dead = False
-        self.submitted = 0  # Submit calls taken
+        self.submitted = 0  # requests taken (by Submit or a step stream)
+        self.step_streams = 0  # Steps calls opened
+        self.cancelled = 0  # requests cancelled by a step stream's command
         self.resumed = 0  # of them, requests that came with output already generated (moved or resumed)
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -156,14 +162,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.dead = self.refuse_watch = True
         self.break_watches()
 
-    async def _maybe_die(self, sent: int, context) -> None:  # type: ignore[no-untyped-def]
+    def _maybe_die(self, sent: int) -> None:
         if sent == self.fail_after:
             if self.watch_survives:
                 self.dead = True
             else:
                 self.die()
         if self.dead:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} died")
+            raise Died(f"{self.name} died")
 
     def _notify(self) -> None:
         for changed in self._listeners:
@@ -172,6 +178,57 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     # -- tandem.v1.Worker --------------------------------------------------------------------------
 
     async def Submit(self, request: worker_pb2.WorkerRequest, context) -> AsyncIterator[worker_pb2.WorkerTokens]:  # type: ignore[no-untyped-def,override]
+        try:
+            async for message in self._messages(request):
+                yield message
+        except Died as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Steps(self, commands, context) -> AsyncIterator[worker_pb2.StepFrame]:  # type: ignore[no-untyped-def,override]
+        """Every request of one router: each runs as Submit's would, its messages batched into one
+        frame per wake of this stream; a death breaks the whole stream, as a dead worker's would."""
+        pending: asyncio.Queue[worker_pb2.WorkerTokens | Died] = asyncio.Queue()
+        running: dict[str, asyncio.Task] = {}
+
+        async def run(request: worker_pb2.WorkerRequest) -> None:
+            try:
+                async for message in self._messages(request):
+                    pending.put_nowait(message)
+            except Died as e:
+                pending.put_nowait(e)
+            finally:
+                running.pop(request.request_id, None)
+
+        async def read() -> None:
+            async for command in commands:
+                if command.HasField("submit"):
+                    rid = command.submit.request_id
+                    running[rid] = asyncio.create_task(run(command.submit))
+                elif (task := running.pop(command.cancel, None)) is not None:
+                    self.cancelled += 1
+                    task.cancel()
+
+        self.step_streams += 1
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                messages = [await pending.get()]
+                while not pending.empty():
+                    messages.append(pending.get_nowait())
+                died = next((i for i, m in enumerate(messages) if isinstance(m, Died)), None)
+                if died is None:
+                    yield worker_pb2.StepFrame(tokens=messages)
+                    continue
+                if died:
+                    yield worker_pb2.StepFrame(tokens=messages[:died])  # what went out before the death
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(messages[died]))
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
+    async def _messages(self, request: worker_pb2.WorkerRequest) -> AsyncIterator[worker_pb2.WorkerTokens]:
+        """A request's messages, as Submit streams them; raises `Died` when the worker dies."""
         self.submitted += 1
         self.resumed += bool(request.output_token_ids)
         self.running += 1
@@ -182,7 +239,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if self.role == "prefill":
                 cached = await self._prefill(context_tokens)
                 await asyncio.sleep(self.step_s)
-                await self._maybe_die(0, context)
+                self._maybe_die(0)
                 yield worker_pb2.WorkerTokens(
                     request_id=request.request_id, token_ids=[fake_token(prompt, done)], num_cached_tokens=cached
                 )
@@ -199,7 +256,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             output = list(request.output_token_ids)
             for index in range(done, max_tokens):
                 await asyncio.sleep(self.step_s)
-                await self._maybe_die(index - done, context)
+                self._maybe_die(index - done)
                 token = fake_token(prompt, index)
                 output.append(token)
                 last = index == max_tokens - 1
@@ -212,9 +269,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     num_prompt_tokens=len(prompt), num_cached_tokens=cached, finish_reason=finish,
                 )  # fmt: skip
             if self.finish_apart:
-                await self._maybe_die(max_tokens - done, context)
+                self._maybe_die(max_tokens - done)
                 yield worker_pb2.WorkerTokens(request_id=request.request_id, finish_reason=api_pb2.FINISH_REASON_LENGTH)
-            await self._maybe_die(max_tokens - done + self.finish_apart, context)  # after every message
+            self._maybe_die(max_tokens - done + self.finish_apart)  # after every message
         finally:
             self.running -= 1
             self._notify()

@@ -131,7 +131,7 @@ def test_a_killed_decode_worker_loses_no_request(cluster):
     requests: Requests = {}
     for i in range(12):  # six greedy, six seeded sampled
         prompt = [rng.randrange(5, 2000) for _ in range(rng.choice([4, 30]))]
-        requests[f"d{i}"] = (prompt, 160, {}) if i < 6 else (prompt, 96, seeded(i))
+        requests[f"d{i}"] = (prompt, 256, {}) if i < 6 else (prompt, 160, seeded(i))
     before = router.telemetry.metrics.migrations.labels("decode")._value.get()
     results = run_with_a_kill(
         address, handle, "decode-0", requests, kill_when=lambda p: all(n >= 20 for n in p.values())

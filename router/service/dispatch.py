@@ -4,7 +4,8 @@ they came (`Stream.response` appends what the router adds), and migrate when a w
 
     place      `LoadIndex.choose` (no RPC); NoCapacity waits up to `migration_wait_s` on a move, and
                `watch_stale_after_s` while no decode worker is in view
-    attempt    decode.Submit (the response stream), prefill.Submit beside it as a task; the
+    attempt    the request up the decode worker's step stream (`router.service.links`), whose
+               entries for it are the response stream; prefill.Submit beside it as a task; the
                prefill worker's first token is streamed as it arrives (`router.first_token_from_prefill`)
     migrate    a migratable failure: the failed worker is set aside until it is heard from
                again, and the prompt and the tokens already streamed go to a live worker as
@@ -32,6 +33,7 @@ from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.telemetry import Telemetry
 from router.placement.placement import Choice, NoCapacity, NoneInView
 from router.placement.view import WorkerView
+from router.service.links import OnWorker, StepLinks
 from router.service.settings import RouterSettings
 from router.service.stream import (
     Broken,
@@ -47,7 +49,7 @@ from router.service.validate import PromptTokenizer
 
 SUBMIT = "/tandem.v1.Worker/Submit"
 # The end of a request whose worker broke after streaming its last token (its max_tokens).
-LENGTH = worker_pb2.WorkerTokens(finish_reason=api_pb2.FINISH_REASON_LENGTH).SerializeToString()
+LENGTH = worker_pb2.WorkerTokens(finish_reason=api_pb2.FINISH_REASON_LENGTH)
 
 
 class Abort(Exception):
@@ -65,6 +67,7 @@ class Dispatcher:
         self.settings, self.view, self.telemetry, self.tokenizer = settings, view, telemetry, tokenizer
         self.decisions: collections.Counter[str] = collections.Counter()
         self._rng = random.Random(0)  # `prefix_routing: random`'s choices
+        self.links = StepLinks(view)  # on the loop
 
     async def generate(
         self, stream: Stream, params: SamplingParams, context: grpc.aio.ServicerContext,
@@ -84,7 +87,7 @@ class Dispatcher:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         placed = await self._announce(choice, stream, context, trace_context)
         root = trace.get_current_span(trace_context)
-        metadata = [*self.view.pool.metadata, *trace_metadata(trace_context)]
+        carried = dict(trace_metadata(trace_context))  # the trace context, for the workers
         worker_id = uuid.uuid4().hex[:16]  # never the client's id: two clients may send the same one
         trusted = True  # ship only what the decode worker lacks, until a prefill attempt failed
         for attempt in range(s.migration_limit + 1):
@@ -103,9 +106,10 @@ class Dispatcher:
             tokens = (stream.prompt, generated)
             try:
                 rid = f"{worker_id}.{attempt}"
-                async for raw, arrived, source in self._attempt(rid, tokens, params, choice, context, metadata, stream):
+                messages = self._attempt(rid, tokens, params, choice, context, carried, stream)
+                async for message, arrived, source in messages:
                     first = not stream.chunks
-                    yield stream.response(raw)
+                    yield stream.response(message)
                     if first:
                         self._first_token_spans(trace_context, placed, arrived, source)
                 return
@@ -180,67 +184,53 @@ class Dispatcher:
         params: SamplingParams,
         choice: Choice,
         context: grpc.aio.ServicerContext,
-        metadata: list[tuple[str, str]],
+        carried: dict[str, str],
         stream: Stream,
-    ) -> AsyncIterator[tuple[bytes, float, str]]:
+    ) -> AsyncIterator[tuple[worker_pb2.WorkerTokens, float, str]]:
         """One try on one pair of workers for `tokens` (the prompt, and the output already
-        generated): the messages for the client as (worker bytes, arrival, "prefill" or "decode"),
-        with the prefill call beside the decode worker's. Raises `Broken` when either fails; the
-        caller decides whether to migrate. However it ends (the client gone included), both worker
-        calls are cancelled."""
+        generated): the messages for the client as (worker message, arrival, "prefill" or
+        "decode"), with the prefill call beside the decode worker's. Raises `Broken` when either
+        fails; the caller decides whether to migrate. However it ends (the client gone included),
+        the request is cancelled on both workers."""
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
-        decode_call, prefill_call = self._submit(worker_rid, tokens, params, choice, timeout, metadata)
+        on_decode, prefill_call = self._submit(worker_rid, tokens, params, choice, timeout, carried)
         result: dict[str, object] = {}
         watcher, first = None, None
         if prefill_call is not None:
             first = asyncio.get_running_loop().create_future() if self.settings.first_token_from_prefill else None
-            watcher = asyncio.create_task(watch_prefill(prefill_call, decode_call, result, first))
+            watcher = asyncio.create_task(watch_prefill(prefill_call, on_decode, result, first))
         try:
-            async for raw, arrived, source in self._relay(decode_call, first, tokens, params):
-                if (
-                    watcher is not None
-                    and "cached" not in result
-                    and worker_pb2.WorkerTokens.FromString(raw).finish_reason
-                ):
+            async for message, arrived, source in self._relay(on_decode, first, tokens, params):
+                if watcher is not None and "cached" not in result and message.finish_reason:
                     # The decode worker finished before this loop heard the prefill worker's first message,
                     # which carries the prompt's cached tokens for the usage: its call has ended or soon will.
                     await asyncio.wait([watcher], timeout=1.0)
                 if "cached" in result:
                     stream.cached_tokens = result["cached"]  # type: ignore[assignment]
-                yield raw, arrived, source
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the client left
-            # An aio call cancelled beneath this task raises CancelledError, not RpcError: the
-            # prefill call failed and cancelled it, or its channel closed (the worker left the view).
-            if (failed := result.get("error")) is not None:
-                raise Broken(*failed, "prefill", choice.prefill or "") from None  # type: ignore[misc]
-            left = "the call was cancelled: the worker left"
-            raise Broken(grpc.StatusCode.UNAVAILABLE, left, "decode", choice.decode) from None
-        except grpc.RpcError as e:
+                yield message, arrived, source
+        except Broken:
             if watcher is not None:
                 await asyncio.wait([watcher], timeout=1.0)  # the prefill call's own error, if it failed first
             if (failed := result.get("error")) is not None:
                 raise Broken(*failed, "prefill", choice.prefill or "") from None  # type: ignore[misc]
-            raise Broken(e.code(), e.details() or "", "decode", choice.decode) from None
+            raise
         finally:
             result["cancelled"] = True
-            decode_call.cancel()
+            on_decode.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
 
     async def _relay(
-        self, decode_call, first: asyncio.Future | None, tokens: tuple[list[int], list[int]], params: SamplingParams
-    ) -> AsyncIterator[tuple[bytes, float, str]]:  # type: ignore[no-untyped-def]
+        self, on_decode: OnWorker, first: asyncio.Future | None, tokens: tuple[list[int], list[int]],
+        params: SamplingParams,
+    ) -> AsyncIterator[tuple[worker_pb2.WorkerTokens, float, str]]:  # fmt: skip
         """The decode worker's messages as they came. With `first` (remote prefill), the prefill
         worker's first token goes out as soon as it arrives, if it comes before the decode worker's
         first message (which waits for the KV transfer and the admission); that message then goes
         out without it."""
-        messages = decode_call.__aiter__()
         if first is not None:
-            head = asyncio.ensure_future(anext(messages))
+            head = asyncio.ensure_future(anext(on_decode))
             try:
                 await asyncio.wait((head, first), return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -252,17 +242,17 @@ class Dispatcher:
                 prompt, output = tokens
                 text = IncrementalDetokenizer(self.tokenizer, [*prompt, *output], params.stop).add(token)
                 yield early_first_token(msg, text), arrived, "prefill"
-                raw = await head
+                message = await head
                 try:
-                    rest = after_early_token(raw, token, text)
+                    rest = after_early_token(message, token, text)
                 except ValueError as e:
                     raise Broken(grpc.StatusCode.INTERNAL, str(e), "decode", "") from None
                 if rest is not None:
                     yield rest, time.time(), "decode"
             else:
                 yield await head, time.time(), "decode"
-        async for raw in messages:
-            yield raw, time.time(), "decode"
+        async for message in on_decode:
+            yield message, time.time(), "decode"
 
     def _first_token_spans(
         self, trace_context: otel_context.Context, placed: float, arrived: float, source: str
@@ -281,25 +271,23 @@ class Dispatcher:
         params: SamplingParams,
         choice: Choice,
         timeout: float | None,
-        metadata: list[tuple[str, str]],
+        carried: dict[str, str],
     ):  # type: ignore[no-untyped-def]
-        """Starts the decode worker's call (its messages left as bytes) and, for remote prefill,
-        the prefill worker's."""
+        """Places the request on the decode worker's step stream and, for remote prefill, starts
+        the prefill worker's call."""
         s = self.settings
-        decode = self.view.channel(choice.decode)
         prefill = None if choice.prefill is None else self.view.channel(choice.prefill)
-        if decode is None or (choice.prefill is not None and prefill is None):
-            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", choice.decode)
+        if choice.prefill is not None and prefill is None:
+            raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "prefill", choice.prefill)
         sampling = params_to_proto(params)
         prompt, output = tokens
         request = worker_pb2.WorkerRequest(
             request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
             remote_prefill=prefill is not None,
         )  # fmt: skip
-        submit = decode[1].unary_stream(SUBMIT, request_serializer=worker_pb2.WorkerRequest.SerializeToString)
-        decode_call = submit(request, timeout=timeout, metadata=metadata)
+        on_decode = self.links.submit(choice.decode, request, carried, timeout)
         if prefill is None:
-            return decode_call, None
+            return on_decode, None
         capability = b""
         if s.capability_secret is not None:
             num_tokens = len(prompt) + len(output)  # the KV that travels
@@ -308,10 +296,11 @@ class Dispatcher:
         kept = min(choice.decode_blocks, (total - 1) // s.block_size) * s.block_size  # KV the decode worker has
         request = worker_pb2.WorkerRequest(
             request_id=worker_rid, prompt_token_ids=prompt, output_token_ids=output, sampling=sampling,
-            decode_target=decode[0], capability=capability, decode_cached_tokens=kept,
+            decode_target=on_decode.link.address, capability=capability, decode_cached_tokens=kept,
         )  # fmt: skip
         submit = prefill[1].unary_stream(
             SUBMIT, request_serializer=worker_pb2.WorkerRequest.SerializeToString,
             response_deserializer=worker_pb2.WorkerTokens.FromString,
         )  # fmt: skip
-        return decode_call, submit(request, timeout=timeout, metadata=metadata)
+        metadata = [*self.view.pool.metadata, *carried.items()]
+        return on_decode, submit(request, timeout=timeout, metadata=metadata)

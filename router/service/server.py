@@ -147,10 +147,14 @@ class Router(worker_pb2_grpc.AdminServicer):
             self.loop.run(self.fleet.leave())
         if self.server is not None:
             self.loop.run(self.server.stop(None))
+        self.loop.run(self._close_links())
         self.view.stop()
         self.loop.stop()
         self.pool.close()
         self.telemetry.shutdown()
+
+    async def _close_links(self) -> None:
+        self.dispatcher.links.close()
 
     # -- tandem.v1.Tandem --------------------------------------------------------------------------
 

@@ -111,19 +111,18 @@ async def watch_prefill(prefill_call, decode_call, result: dict[str, object], fi
         decode_call.cancel()
 
 
-def early_first_token(msg: worker_pb2.WorkerTokens, text: str) -> bytes:
+def early_first_token(msg: worker_pb2.WorkerTokens, text: str) -> worker_pb2.WorkerTokens:
     """The prefill worker's first token as a decode worker's message would carry it, with `text`,
     what the decode worker's detokenizer will release for it."""
     early = worker_pb2.WorkerTokens(request_id=msg.request_id, text=text, token_ids=msg.token_ids)
     early.logprobs.extend(msg.logprobs)
-    return early.SerializeToString()
+    return early
 
 
-def after_early_token(raw: bytes, token: int, text: str) -> bytes | None:
+def after_early_token(msg: worker_pb2.WorkerTokens, token: int, text: str) -> worker_pb2.WorkerTokens | None:
     """The decode worker's first message without the first token (`token`, streamed early with
     `text`): the rest of its tokens, logprobs and text, or None if nothing is left to send.
     Raises ValueError if the decode worker's first token is not `token`."""
-    msg = worker_pb2.WorkerTokens.FromString(raw)
     if not msg.token_ids or msg.token_ids[0] != token:
         raise ValueError(f"the decode worker began with {list(msg.token_ids[:1])}, the prefill worker with [{token}]")
     rest = worker_pb2.WorkerTokens()
@@ -134,7 +133,7 @@ def after_early_token(raw: bytes, token: int, text: str) -> bytes | None:
     rest.text = msg.text[len(text) :] if msg.text.startswith(text) else msg.text
     if not (rest.token_ids or rest.text or rest.finish_reason):
         return None
-    return rest.SerializeToString()
+    return rest
 
 
 @dataclass
@@ -157,12 +156,11 @@ class Stream:
     speculation: api_pb2.SpeculationStats | None = None
     prompt_text: str = ""  # the prompt decoded, for a client that asked for it (return_prompt_text)
 
-    def response(self, raw: bytes) -> bytes:
-        """The client's message for a worker's `WorkerTokens` (`raw`, as it came): the same bytes,
-        whose shared fields are GenerateResponse's, with what the router adds appended (a later
-        field wins, repeated ones extend): the request id, the first message's prompt length (and
-        text, when asked for), held-back text after a migration, the last one's usage and SLO."""
-        msg = worker_pb2.WorkerTokens.FromString(raw)
+    def response(self, msg: worker_pb2.WorkerTokens) -> bytes:
+        """The client's message for a worker's `WorkerTokens`: its bytes, whose shared fields are
+        GenerateResponse's, with what the router adds appended (a later field wins, repeated ones
+        extend): the request id, the first message's prompt length (and text, when asked for),
+        held-back text after a migration, the last one's usage and SLO."""
         first = not self.chunks
         if msg.token_ids or first:
             self.chunks.append((time.time(), len(msg.token_ids)))
@@ -185,7 +183,7 @@ class Stream:
             out.slo.CopyFrom(slo_report(timing, self.targets))
             self.speculation = msg.speculation if msg.HasField("speculation") else None
             self.status, self.finish_reason = "ok", msg.finish_reason
-        return raw + out.SerializeToString()
+        return msg.SerializeToString() + out.SerializeToString()
 
     def resumed(self, resume: api_pb2.Resume, decode: Callable[[list[int]], str]) -> None:
         """A stream resumed through this router: the client has these tokens and this text already."""

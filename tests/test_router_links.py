@@ -1,0 +1,120 @@
+"""The router's step streams (`router.service.links`): one `Worker.Steps` call per decode worker for
+every request the router places there, a lagging request's entries merged into one message, and a
+request that ends unfinished cancelled on its worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+from router.service.links import OnWorker, merged
+from router.service.stream import Broken
+from tests.fake_workers import FakeFleet, FakeTokenizer, fake_token
+from tests.test_router_async import make_router, run_streams, stream
+
+
+@pytest.fixture
+def fleet():
+    fleet = FakeFleet()
+    yield fleet
+    fleet.close()
+
+
+def entry(tokens: list[int], finish: int = 0) -> worker_pb2.WorkerTokens:
+    logprobs = [api_pb2.TokenLogprob(token_id=t, logprob=-t / 10) for t in tokens]
+    text = "".join(f"t{t} " for t in tokens)
+    return worker_pb2.WorkerTokens(request_id="r", token_ids=tokens, logprobs=logprobs, text=text, finish_reason=finish)
+
+
+def test_entries_merge_in_order_and_keep_the_last_finish():
+    one = merged([entry([1]), entry([2, 3]), entry([4], api_pb2.FINISH_REASON_STOP)])
+    assert list(one.token_ids) == [1, 2, 3, 4]
+    assert [lp.token_id for lp in one.logprobs] == [1, 2, 3, 4]
+    assert one.text == "t1 t2 t3 t4 " and one.finish_reason == api_pb2.FINISH_REASON_STOP
+    assert merged([entry([7])]).token_ids == [7]
+
+
+class Link:
+    """What `OnWorker` asks of its link."""
+
+    name = "decode-0"
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        return True
+
+
+def test_a_request_reading_behind_gets_what_piled_up_as_one_message_then_its_failure():
+    async def main() -> None:
+        link = Link()
+        on = OnWorker(link, "r", timeout=None)  # type: ignore[arg-type]
+        for tokens in ([1], [2], [3]):
+            on.put(entry(tokens))
+        assert list((await anext(on)).token_ids) == [1, 2, 3], "one message for three steps"
+        on.put(entry([4]))
+        on.put(Broken(grpc.StatusCode.UNAVAILABLE, "gone", "decode", "decode-0"))
+        on.put(entry([5]))  # nothing after a failure reaches the reader before it
+        assert list((await anext(on)).token_ids) == [4]
+        with pytest.raises(Broken, match="gone"):
+            await anext(on)
+
+    asyncio.run(main())
+
+
+def test_a_request_past_its_deadline_is_cancelled_on_its_worker_and_fails_with_deadline_exceeded():
+    async def main() -> None:
+        link = Link()
+        on = OnWorker(link, "r", timeout=0.05)  # type: ignore[arg-type]
+        with pytest.raises(Broken) as failed:
+            await anext(on)
+        assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and not failed.value.migratable
+        assert link.cancelled == ["r"]
+
+    asyncio.run(main())
+
+
+def test_every_request_of_a_router_on_a_worker_shares_one_step_stream(fleet):
+    workers = [fleet.add(f"decode-{i}", step_s=0.001) for i in range(2)]
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        results = run_streams(address, 40, 8)
+        for i, messages in enumerate(results):
+            assert not isinstance(messages, BaseException), messages
+            prompt = FakeTokenizer().encode(f"w{i} x y")
+            assert [t for m in messages for t in m.token_ids] == [fake_token(prompt, j) for j in range(8)]
+        assert sum(w.submitted for w in workers) == 40
+        assert [w.step_streams for w in workers] == [1 if w.submitted else 0 for w in workers]
+    finally:
+        router.stop()
+
+
+def test_a_client_that_gives_up_has_its_request_cancelled_on_the_worker_and_others_run_on(fleet):
+    worker = fleet.add("decode-0", step_s=0.01)
+    router = make_router(fleet)
+    address = router.start()
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = api_pb2_grpc.TandemStub(channel)
+            short = stream(stub, "w1 x", 200, timeout=0.3)
+            whole = stream(stub, "w2 y", 40)
+            return await asyncio.gather(short, whole, return_exceptions=True)
+
+    try:
+        short, whole = asyncio.run(main())
+        assert isinstance(short, grpc.aio.AioRpcError) and short.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len([t for m in whole for t in m.token_ids]) == 40
+        deadline = time.monotonic() + 2
+        while worker.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.running == 0 and worker.cancelled == 1, "the given-up request was cancelled there"
+    finally:
+        router.stop()
