@@ -98,11 +98,13 @@ class SLOWindow:
         self.window_s = window_s
         self.clock = clock
         self._events: collections.deque[tuple[float, bool, float | None, float | None]] = collections.deque()
+        self._met = 0  # of the events, those that met their targets (attainment is read per request)
         self._lock = threading.Lock()
 
     def record(self, met: bool, ttft: float | None = None, tpot: float | None = None) -> None:
         with self._lock:
             self._events.append((self.clock(), met, ttft, tpot))
+            self._met += met
             self._trim()
 
     def attainment(self) -> float | None:
@@ -111,7 +113,7 @@ class SLOWindow:
             self._trim()
             if not self._events:
                 return None
-            return sum(1 for _, met, _, _ in self._events if met) / len(self._events)
+            return self._met / len(self._events)
 
     def latency(self, q: float = 90) -> tuple[float | None, float | None]:
         """The q-th percentile TTFT and TPOT in the window (None where there is none)."""
@@ -124,4 +126,4 @@ class SLOWindow:
     def _trim(self) -> None:
         cutoff = self.clock() - self.window_s
         while self._events and self._events[0][0] < cutoff:
-            self._events.popleft()
+            self._met -= self._events.popleft()[1]
