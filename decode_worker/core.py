@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -222,6 +223,11 @@ class ProcessCore(CoreHandle):
         self._later_lock = threading.Lock()  # never held across a pipe write: the frame reader takes it
         self._ids = itertools.count()
         self._stopping = False
+        # Aborts the frame reader asks for, sent by a thread of their own: the reader never writes to the
+        # pipe, since a full one would block it while the core, blocked on a full events pipe, waits
+        # for it to read.
+        self._aborts: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        threading.Thread(target=self._send_aborts, daemon=True, name="core-aborts").start()
 
     @classmethod
     def spawn(
@@ -291,6 +297,7 @@ class ProcessCore(CoreHandle):
 
     def stop(self) -> None:
         self._stopping = True
+        self._aborts.put(None)
         with self._send_lock, contextlib.suppress(OSError, ValueError):
             self._commands.send(("stop", -1, (), None))
         self.process.join(10)
@@ -337,8 +344,12 @@ class ProcessCore(CoreHandle):
         return len(self._later)
 
     def _stop_after_text(self, request_id: str) -> None:
-        with contextlib.suppress(CoreDied):  # no answer wanted: the frame reader must not wait on itself
-            self._command("abort", (request_id,), None)
+        self._aborts.put(request_id)  # no answer wanted, and no write here: this may be the frame reader
+
+    def _send_aborts(self) -> None:
+        while (request_id := self._aborts.get()) is not None:
+            with contextlib.suppress(CoreDied):
+                self._command("abort", (request_id,), None)
 
     def _command(
         self, method: str, args: tuple, answer: str | None, register: Callable[[int], None] | None = None

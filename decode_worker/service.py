@@ -155,6 +155,8 @@ class DecodeWorker(WorkerShell[Core]):
         reader.start()
         try:
             yield from link.frames(context.is_active)
+            if link.failed is not None:
+                context.abort(*link.failed)
         finally:  # the router is gone (or this worker stops): nothing of its requests is wanted here
             link.close()
             with self._lock:
@@ -169,6 +171,9 @@ class DecodeWorker(WorkerShell[Core]):
                     self._submit_on(link, command.submit, command.trace)
                 elif command.cancel:
                     self._cancel(command.cancel)
+                else:
+                    link.close((grpc.StatusCode.INVALID_ARGUMENT, "a step command names neither a submit nor a cancel"))
+                    return
         except grpc.RpcError:
             pass  # the call ended
         finally:

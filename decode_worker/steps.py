@@ -14,8 +14,8 @@ Lifecycle of a link:
     put       the worker's frame router hands the link every output of its requests in one step; the
               link's sender wakes once and sends one frame, one entry per request (a request whose
               outputs piled up while the sender was busy gets them merged into its one entry)
-    close     the stream ended (the router went away, or the worker stops): the worker aborts every
-              request still on it
+    close     the stream ended (the router went away, or the worker stops, or a command named neither
+              a submit nor a cancel: INVALID_ARGUMENT): the worker aborts every request still on it
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class Link:
         self._outputs: dict[str, list[RequestOutput]] = {}  # per request, in arrival order
         self._ended: list[worker_pb2.RequestEnded] = []
         self._closed = False
+        self.failed: tuple[grpc.StatusCode, str] | None = None  # why the router's commands ended the stream
 
     def put(self, outputs: list[RequestOutput]) -> None:
         with self._ready:
@@ -112,8 +113,10 @@ class Link:
             self._ended.append(worker_pb2.RequestEnded(request_id=request_id, code=code.value[0], details=details))
             self._ready.notify()
 
-    def close(self) -> None:
+    def close(self, failed: tuple[grpc.StatusCode, str] | None = None) -> None:
+        """No more frames after what is pending; with `failed`, the call then ends with that status."""
         with self._ready:
+            self.failed = self.failed or failed
             self._closed = True
             self._ready.notify()
 

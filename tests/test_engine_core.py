@@ -253,3 +253,24 @@ def test_a_stream_that_lags_sends_what_it_owes_in_one_message():
     message = tokens_message(caught_up(RequestOutput("r", [11], text="a"), queued))
     assert list(message.token_ids) == [11, 12] and message.text == "ab" and not message.finish_reason
     assert queued.get_nowait() is None
+
+
+def test_the_frame_reader_never_waits_on_the_command_pipe(core):
+    """A stop string's abort, asked for by the frame reader, returns while another thread holds the
+    pipe (as a sender blocked on a full pipe would): were the reader to wait there while the core
+    waits for it to read a frame, both would hang. The abort still lands once the pipe is free."""
+    core, frames = core
+    core.add_request("held", list(range(10, 60)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while len(frames.tokens.get("held", [])) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with core._send_lock:  # the pipe is taken
+        asked = threading.Thread(target=core.abort_soon, args=("held",), daemon=True)
+        asked.start()
+        asked.join(2)
+        assert not asked.is_alive(), "the abort waited for the pipe"
+    deadline = time.monotonic() + 10
+    while core.occupancy.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.occupancy.running == 0 and core.occupancy.free_blocks == 256

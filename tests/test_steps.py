@@ -132,3 +132,15 @@ def test_the_streams_end_aborts_every_request_on_it(worker):
     stream.until(lambda fs: {t.request_id for f in fs for t in f.tokens} == {"a", "b"})
     stream.frames.cancel()  # the router went away
     wait_idle(worker)
+
+
+def test_a_command_with_neither_submit_nor_cancel_ends_the_stream_with_invalid_argument(worker):
+    worker, stub = worker
+    stream = StepStream(stub)
+    stream.submit("a", PROMPTS[0], 400)
+    stream.until(lambda fs: any(t.request_id == "a" for f in fs for t in f.tokens))
+    stream.commands.put(worker_pb2.StepCommand())
+    with pytest.raises(grpc.RpcError) as ended:
+        stream.until(lambda fs: False)
+    assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "neither" in ended.value.details()
+    wait_idle(worker)  # its request went with it
