@@ -3,9 +3,11 @@
     core_main(commands, events, config)   the process's entry (`decode_worker.core.ProcessCore.spawn`
                                           starts it): builds and warms up the engine, says hello
                                           with its `CoreInfo`, then runs the `EngineLoop`
-    EngineLoop                            the one thread: commands between steps, one `Frame` after
-                                          each turn that changed anything, asleep on its commands
-                                          when idle
+    EngineLoop                            the one thread stepping the engine: commands between steps,
+                                          one `Frame` after each turn that changed anything, asleep
+                                          on its commands when idle
+    Outbox                                what the loop tells the front, pickled and written to the
+                                          pipe by a thread of its own, beside the next step
 
 A `Frame` and a `CoreInfo` are what the core tells its front; the front's handles are in
 `decode_worker.core`. No gRPC, no tokenizer's text and no server threads run here.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import queue
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,25 +106,68 @@ def core_main(commands, events, config_json: str) -> None:  # type: ignore[no-un
     EngineLoop(engine, commands, events).run()
 
 
+class Outbox:
+    """The core's messages to its front, in order, sent by a thread of their own: a frame's pickling,
+    and its write (which waits while the front reads the frame before), overlap the next step
+    instead of delaying it. At most `depth` wait, so a front that falls behind still slows the core."""
+
+    def __init__(self, events, depth: int = 4) -> None:  # type: ignore[no-untyped-def]
+        self.events = events
+        self.gone = False  # the front closed the pipe
+        self._queue: queue.Queue[object] = queue.Queue(depth)
+        self._thread = threading.Thread(target=self._send, daemon=True, name="core-outbox")
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        """Queues `message`; raises EOFError once the front is gone."""
+        while not self.gone:
+            try:
+                self._queue.put(message, timeout=IDLE_WAKE_S)
+                return
+            except queue.Full:
+                continue
+        raise EOFError("the front closed the pipe")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Sends what is queued, then stops."""
+        if not self.gone:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+    def _send(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self.events.send(message)
+            except (OSError, ValueError):
+                self.gone = True
+                return
+
+
 class EngineLoop:
-    """The core's one thread: commands between steps, a frame after each turn that changed anything."""
+    """The core's stepping thread: commands between steps, a frame after each turn that changed anything."""
 
     def __init__(self, engine: Engine, commands, events) -> None:  # type: ignore[no-untyped-def]
-        self.engine, self.commands, self.events = engine, commands, events
+        self.engine, self.commands = engine, commands
+        self.outbox = Outbox(events)
         self.cursor: int | None = None  # the journal's events the front has
         self.sent = engine.changes.version  # the change count the last frame (or the hello) told
         self.steps = 0
         self.taken = -1
 
     def run(self) -> None:
+        try:
+            self._turns()
+        except (EOFError, OSError):
+            return  # the front is gone
+        self.outbox.close()
+
+    def _turns(self) -> None:
+        """Turns until `stop`."""
         engine = self.engine
         while True:
             idle = not engine.has_unfinished
-            try:
-                if self.commands.poll(IDLE_WAKE_S if idle else 0) and not self._apply_commands():
-                    return
-            except (EOFError, OSError):
-                return  # the front is gone
+            if self.commands.poll(IDLE_WAKE_S if idle else 0) and not self._apply_commands():
+                return
             outputs: list[RequestOutput] = []
             failed = None
             if engine.has_unfinished:
@@ -139,7 +186,7 @@ class EngineLoop:
         batch = engine.kv_journal.since(self.cursor)
         if batch is not None:
             self.cursor = batch.last
-        self.events.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps, self.taken))
+        self.outbox.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps, self.taken))
 
     def _apply_commands(self) -> bool:
         """Every command waiting; False on `stop`."""
@@ -156,7 +203,7 @@ class EngineLoop:
                 continue  # no answer wanted (a stop string's abort, a submit taken): the turn's frame tells
             if self.engine.changes.version != self.sent:
                 self._send_frame([])  # first: a call returns once its front's load shows what it changed
-            self.events.send(reply)
+            self.outbox.send(reply)
         return True
 
 
