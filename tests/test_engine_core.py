@@ -21,7 +21,7 @@ from cluster.config import parse_config
 from cluster.engine.request import SamplingParams
 from decode_worker import service as decode_service
 from decode_worker.core import ProcessCore
-from decode_worker.engine_loop import Frame, build_engine
+from decode_worker.engine_loop import Frame, Outbox, build_engine
 from router.sdk.client import Client
 from router.service.server import from_config
 from tests.conftest import drive
@@ -274,3 +274,42 @@ def test_the_frame_reader_never_waits_on_the_command_pipe(core):
     while core.occupancy.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert core.occupancy.running == 0 and core.occupancy.free_blocks == 256
+
+
+class HeldPipe:
+    """A pipe whose reader holds off until `release`, then takes everything; `closed`: it refuses."""
+
+    def __init__(self) -> None:
+        self.release, self.got, self.closed = threading.Event(), [], False
+
+    def send(self, message: object) -> None:
+        self.release.wait()
+        if self.closed:
+            raise OSError("the front closed the pipe")
+        self.got.append(message)
+
+
+def test_the_outbox_sends_in_order_beside_the_loop_and_a_front_behind_it_slows_the_loop():
+    pipe = HeldPipe()
+    outbox = Outbox(pipe, depth=2)
+    for i in range(3):  # one in the sender's hands, two queued: the loop goes on at once
+        outbox.send(i)
+    blocked = threading.Thread(target=outbox.send, args=(3,), daemon=True)
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a full outbox holds the loop until the front reads"
+    pipe.release.set()
+    blocked.join(5)
+    outbox.close()
+    assert pipe.got == [0, 1, 2, 3]
+
+
+def test_the_outbox_says_when_the_front_is_gone():
+    pipe = HeldPipe()
+    pipe.closed = True
+    pipe.release.set()
+    outbox = Outbox(pipe, depth=1)
+    with pytest.raises(EOFError):
+        for i in range(100):
+            outbox.send(i)
+            time.sleep(0.01)
