@@ -88,6 +88,26 @@ def engine_alone(requests: list, threads: int, concurrency: int) -> dict:
     return {"output_token_throughput": tokens / duration, "tpot_ms": statistics.mean(gaps) * 1e3}
 
 
+def ttft_rows(routers: dict, targets: dict, short: list) -> tuple[dict, dict]:
+    """TTFT at concurrency 1, cold (prompts no worker has seen: 128 tokens, remote prefill) and warm
+    (the same prompts again: the decode worker holds their prefix, so placement may prefill the rest
+    there), with each row's placements as the router counted them."""
+    cold = {flag: bench_requests(16, 128, 16, seed=3 + flag) for flag in (True, False)}
+    rows = {
+        "remote, cold, first token from prefill": (True, cold[True]),
+        "remote, cold, first token from decode": (False, cold[False]),
+        "warm (the cold prompts again)": (True, cold[True]),
+        "local prefill (32-token prompts)": (True, short),
+    }
+    ttft, placements = {}, {}
+    for name, (flag, requests) in rows.items():
+        before = dict(routers[flag].decisions)
+        ttft[name] = drive(targets[flag], requests, 1)["ttft_ms"]
+        after = routers[flag].decisions
+        placements[name] = {k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
+    return ttft, placements
+
+
 def cluster_rows(num_prompts: int) -> dict:
     """Section 4: the serving path on a real local cluster beside the engine alone."""
     import ray
@@ -103,11 +123,7 @@ def cluster_rows(num_prompts: int) -> dict:
         targets = {flag: router.start("127.0.0.1:0") for flag, router in routers.items()}
         drive(targets[True], bench_requests(4, 128, 8, seed=2), 4)  # warm-up: compiled paths, channels
         out: dict = {"c1": drive(targets[True], long[:16], 1), "c32": drive(targets[True], long, 32)}
-        out["ttft"] = {
-            "remote, first token from prefill": drive(targets[True], long[:16], 1)["ttft_ms"],
-            "remote, first token from decode": drive(targets[False], long[:16], 1)["ttft_ms"],
-            "local prefill (32-token prompts)": drive(targets[True], short, 1)["ttft_ms"],
-        }
+        out["ttft"], out["placements"] = ttft_rows(routers, targets, short)
     finally:
         for router in routers.values():
             router.stop()

@@ -51,9 +51,10 @@ def print_cluster(c: dict) -> None:
         alone = e["output_token_throughput"]
         label = f"output tok/s, conc. 32 ({threads} thr)"
         print(f"{label:<34}{tput:>12.0f}{alone:>14.0f}{tput / alone:>8.2f}")
-    print(f"{'TTFT ms, concurrency 1':<34}{'p50':>12}{'p99':>14}")
+    print(f"{'TTFT ms, concurrency 1':<42}{'p50':>8}{'p99':>10}   placements")
     for name, t in c["ttft"].items():
-        print(f"  {name:<32}{t['median']:>12.2f}{t['p99']:>14.2f}")
+        placed = ", ".join(f"{k} {n}" for k, n in c.get("placements", {}).get(name, {}).items())
+        print(f"  {name:<40}{t['median']:>8.2f}{t['p99']:>10.2f}   {placed}")
 
 
 def breakdown(results: dict) -> list[str]:
@@ -65,7 +66,7 @@ def breakdown(results: dict) -> list[str]:
         per_req, fleet = first["router_cpu_s_per_req"] * 1e3, first["fleet_cpu_s_per_req"] * 1e3
         lines.append(
             f"{run['workers']} workers: router CPU {per_req:.2f} ms per 16-token request at {first['offered']:.0f}"
-            f" req/s (~{per_req / 33 * 1e3:.0f} us per gRPC message: 16 in, 16 out, one call; its Watch streams"
+            f" req/s (16 messages out, its entries of the workers' step frames in, one call; its Watch streams"
             f" alone keep {run['idle_router_cpu']:.0%} of a core busy); the fake fleet {fleet:.2f} ms per request"
         )
     if "cluster" in results:
