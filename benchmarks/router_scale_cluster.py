@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
 
 
-def cluster_config(first_token_from_prefill: bool = True):  # type: ignore[no-untyped-def]
+def cluster_config(first_token_from_prefill: bool = True, model: Path = DEMO, dtype: str = "float32"):  # type: ignore[no-untyped-def]
     from cluster.config import parse_config
 
     return parse_config(
         {
-            "model": {"path": str(DEMO), "dtype": "float32"},
+            "model": {"path": str(model), "dtype": dtype},
             "cache": {"block_size": 16, "num_blocks": 1024},
             "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
             "transfer": {"transport": "grpc"},
@@ -49,7 +49,7 @@ def drive(target: str, requests: list, concurrency: int) -> dict:
     return report(results, duration, None)
 
 
-def engine_alone(requests: list, threads: int, concurrency: int) -> dict:
+def engine_alone(requests: list, threads: int, concurrency: int, model: Path = DEMO, dtype: str = "float32") -> dict:
     """The decode engine in this process on the same requests, `concurrency` at a time (eager, as the
     decode worker steps): output tokens/s, and its mean time per output token after the first."""
     import torch
@@ -63,8 +63,7 @@ def engine_alone(requests: list, threads: int, concurrency: int) -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = load_model(DEMO, "float32")
-        engine = Engine(model, Tokenizer(DEMO), CacheConfig(block_size=16, num_blocks=1024),
+        engine = Engine(load_model(model, dtype), Tokenizer(model), CacheConfig(block_size=16, num_blocks=1024),
                         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048))  # fmt: skip
         pending, running, tokens, gaps = list(enumerate(requests)), {}, 0, []
         start = time.perf_counter()

