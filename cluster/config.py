@@ -338,6 +338,13 @@ class RouterConfig(_Part):
         description="Stream a remotely prefilled request's first token as the prefill worker samples it, "
         "before its KV reaches the decode worker; false waits for the decode worker's first message.",
     )
+    stream_interval: int = Field(
+        default=1,
+        ge=1,
+        description="Tokens per message to the client after the first: the router holds a request's tokens "
+        "until this many have come (or it finished), so each client message carries several steps; 1 sends "
+        "each step's tokens as they come. The first token always goes at once.",
+    )
 
 
 class ClusterConfig(_Part):

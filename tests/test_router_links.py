@@ -5,13 +5,14 @@ request that ends unfinished cancelled on its worker."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
 import pytest
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
-from router.service.links import OnWorker, merged
+from router.service.links import OnWorker, in_intervals, merged
 from router.service.stream import Broken
 from tests.fake_workers import FakeFleet, FakeTokenizer, fake_token
 from tests.test_router_async import make_router, run_streams, stream
@@ -116,5 +117,48 @@ def test_a_client_that_gives_up_has_its_request_cancelled_on_the_worker_and_othe
         while worker.running and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.running == 0 and worker.cancelled == 1, "the given-up request was cancelled there"
+    finally:
+        router.stop()
+
+
+async def listed(items):  # type: ignore[no-untyped-def]
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
+def test_stream_interval_sends_the_first_token_alone_then_that_many_a_message():
+    async def main():  # type: ignore[no-untyped-def]
+        steps = [entry([t]) for t in range(1, 10)] + [entry([10], api_pb2.FINISH_REASON_LENGTH)]
+        return [list(m.token_ids) async for m in in_intervals(listed(steps), 4)]
+
+    assert asyncio.run(main()) == [[1], [2, 3, 4, 5], [6, 7, 8, 9], [10]]
+
+
+def test_stream_interval_sends_what_it_held_before_a_failure():
+    async def main():  # type: ignore[no-untyped-def]
+        broken = Broken(grpc.StatusCode.UNAVAILABLE, "gone", "decode", "decode-0")
+        got = []
+        with pytest.raises(Broken):
+            async for m in in_intervals(listed([entry([1]), entry([2]), entry([3]), broken]), 4):
+                got.append(list(m.token_ids))
+        return got
+
+    assert asyncio.run(main()) == [[1], [2, 3]]
+
+
+def test_a_router_with_a_stream_interval_sends_fewer_messages_with_the_same_tokens(fleet):
+    fleet.add("decode-0", step_s=0.001)
+    router = make_router(fleet)
+    router.settings = router.dispatcher.settings = dataclasses.replace(router.settings, stream_interval=4)
+    address = router.start()
+    try:
+        [messages] = run_streams(address, 1, 17, channels=1)
+        prompt = FakeTokenizer().encode("w0 x y")
+        assert [t for m in messages for t in m.token_ids] == [fake_token(prompt, i) for i in range(17)]
+        sizes = [len(m.token_ids) for m in messages]  # [1, 4, 4, 4, 4], unless a frame came late with two
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
+        assert messages[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH and messages[-1].usage.completion_tokens == 17
     finally:
         router.stop()

@@ -33,7 +33,7 @@ from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.telemetry import Telemetry
 from router.placement.placement import Choice, NoCapacity, NoneInView
 from router.placement.view import WorkerView
-from router.service.links import OnWorker, StepLinks
+from router.service.links import OnWorker, StepLinks, in_intervals
 from router.service.settings import RouterSettings
 from router.service.stream import (
     Broken,
@@ -251,7 +251,8 @@ class Dispatcher:
                     yield rest, time.time(), "decode"
             else:
                 yield await head, time.time(), "decode"
-        async for message in on_decode:
+        interval = self.settings.stream_interval
+        async for message in on_decode if interval == 1 else in_intervals(on_decode, interval):
             yield message, time.time(), "decode"
 
     def _first_token_spans(

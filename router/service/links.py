@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from tandem.v1 import worker_pb2
@@ -41,6 +41,28 @@ def merged(messages: Sequence[worker_pb2.WorkerTokens]) -> worker_pb2.WorkerToke
         out.MergeFrom(message)  # repeated fields extend, set scalars and messages overwrite
     out.text = "".join(message.text for message in messages)
     return out
+
+
+async def in_intervals(
+    messages: AsyncIterator[worker_pb2.WorkerTokens], interval: int
+) -> AsyncIterator[worker_pb2.WorkerTokens]:
+    """`messages` with each held until `interval` tokens have come (or its request finished), then
+    sent as one; the first goes at once. What is held when the stream fails goes out before the failure."""
+    held: list[worker_pb2.WorkerTokens] = []
+    count, first = 0, True
+    try:
+        async for message in messages:
+            held.append(message)
+            count += len(message.token_ids)
+            if first or count >= interval or message.finish_reason:
+                yield merged(held)
+                held, count, first = [], 0, False
+    except Broken:
+        if held:  # the client has them before the request moves
+            yield merged(held)
+        raise
+    if held:
+        yield merged(held)
 
 
 class OnWorker:

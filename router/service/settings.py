@@ -39,6 +39,7 @@ class RouterSettings:
     watch_heartbeat_s: float = 0.5  # a worker's Watch stream sends at least this often
     watch_stale_after_s: float = 2.0  # a worker silent this long takes no new request
     first_token_from_prefill: bool = _default(RouterConfig, "first_token_from_prefill")
+    stream_interval: int = _default(RouterConfig, "stream_interval")  # tokens per client message after the first
     prefix_routing: str = _default(RouterConfig, "prefix_routing")  # "kv", "hash" (the prefill ring) or "random"
     prefix_index_max_blocks: int = _default(RouterConfig, "prefix_index_max_blocks")
 
@@ -74,6 +75,7 @@ def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Toke
         migration_limit=r.migration_limit,
         migration_wait_s=r.migration_wait_s,
         first_token_from_prefill=r.first_token_from_prefill,
+        stream_interval=r.stream_interval,
         prefix_routing=r.prefix_routing,
         prefix_index_max_blocks=r.prefix_index_max_blocks,
     )
