@@ -13,6 +13,7 @@ requests in flight (closed loop), by one of these paths (`--paths`, one row each
     front submit   straight to the worker, a `Worker.Submit` call per request (a message per token)
     front steps    straight to the worker, each client one `Worker.Steps` stream (a frame per step)
     routers N      through N real router processes (`tandem bench`'s async client, the SDK)
+    routers N interval K   the same, the routers sending a client message per K tokens (`stream_interval`)
 
 Per row: the engine's steps/s against its ideal (1 / step time), the mean batch, the output tokens/s
 the clients received against the ideal (batch / step time), and each process's CPU per engine step:
@@ -206,7 +207,10 @@ def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # typ
     from serving_path import cpu_s
 
     ctx = multiprocessing.get_context("spawn")
-    kind, how = path.split()
+    kind, how, *interval = path.split()  # "routers N interval K": the routers' stream_interval is K
+    if interval:
+        router = config.router.model_copy(update={"stream_interval": int(interval[-1])})
+        config = config.model_copy(update={"router": router})
     router_procs, targets = start_routers(ctx, config, worker.server.address, int(how) if kind == "routers" else 0)
     pids = {"engine core": [worker.engine.process.pid], "worker front": [os.getpid()]}
     if router_procs:
@@ -249,9 +253,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client stream in the measured part")
     parser.add_argument(
-        "--paths", default="front submit,front steps,routers 1,routers 2",
+        "--paths", default="front submit,front steps,routers 1,routers 2,routers 1 interval 4",
         help="rows: clients on the worker itself (`front submit`: a call per request, `front steps`: one step "
-        "stream per client) or through N router processes (`routers N`)",
+        "stream per client) or through N router processes (`routers N`, with `interval K` the routers' "
+        "stream_interval)",
     )  # fmt: skip
     args = parser.parse_args()
 
