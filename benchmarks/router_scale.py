@@ -1,6 +1,6 @@
 """The router at cluster scale, measured alone: fake workers (no model, real gRPC), real routers.
 
-    .venv/bin/python benchmarks/router_scale.py [--quick] [--table]
+    .venv/bin/python benchmarks/router_scale.py [--quick] [--table] [--cluster | --cluster-only | --taskset]
 
 1. Placement: the cost of one placement from the pushed view (`LoadIndex.choose`, after one
    worker's snapshot changes, as each request changes one) for 1, 16, 256 and 1,024 decode workers
@@ -57,7 +57,9 @@ from router_scale_report import (  # noqa: E402
     goals,
     plot,
     plot_cluster,
+    plot_rates,
     print_cluster,
+    print_rates,
     print_table,
 )
 
@@ -71,6 +73,11 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print the table of the last run's JSON, run nothing")
     parser.add_argument("--cluster", action="store_true", help="also section 4, a real local cluster (Ray)")
     parser.add_argument("--cluster-only", action="store_true", help="section 4 alone (router_scale_cluster.json)")
+    parser.add_argument(
+        "--taskset", action="store_true",
+        help="section 2 alone at 256 workers, the router on a core of its own and the fleet and load generator on "
+        "another (router_scale_taskset.json)",
+    )  # fmt: skip
     parser.add_argument("--serve-router", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_router:
@@ -79,6 +86,8 @@ def main() -> None:
         return print_table(json.loads((OUT / "router_scale.json").read_text()))
     if args.cluster_only:
         return cluster_only(16 if args.quick else 64)
+    if args.taskset:
+        return taskset_only(args.step_s)
     sizes = [1, 16, 256, 1024]
     results: dict = {"placement": [placement_cost(n, 2000 if args.quick else 10000) for n in sizes]}
     rates = [50, 100, 200, 400, 1000] if args.quick else [50, 100, 150, 200, 300, 400, 600, 1000, 1500]
@@ -96,6 +105,34 @@ def main() -> None:
     (OUT / "router_scale.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / "router_scale.png")
     print(f"\nwrote {OUT / 'router_scale.json'} and {OUT / 'router_scale.png'}")
+
+
+def taskset_only(step_s: float) -> None:
+    """One router over 256 fake workers on a core of its own; the fleet and this load generator on another."""
+    import router_scale_alone
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--taskset needs two cores")
+    router_core, other = cores[0], cores[1]
+    router_scale_alone.PIN.update(router={router_core}, fleet={other})
+    os.sched_setaffinity(0, {other})
+    run = rate_rows(256, 1, [50, 100, 150, 200, 300, 400, 600, 1000], 3.0, step_s)
+    results = {"rate": [run], "pinned": {"router": router_core, "fleet and load generator": other}}
+    print(f"\nthe router on core {router_core}; the fake fleet and this load generator on core {other}")
+    print_rates(results)
+    at = [r for r in run["rows"] if r["offered"] == 1000 and r["achieved"] >= 950]
+    value = f"{at[0]['overhead_p99_ms']:.2f}" if at else f"not sustained (best {run['sustained_rps']:.0f} req/s)"
+    met = bool(at) and at[0]["overhead_p99_ms"] <= 2.0
+    results["goals"] = {"overhead p99 at 1000 req/s, 256 workers, pinned": (value, "<= 2 ms", met)}
+    results["breakdown"] = breakdown(results)
+    for line in results["breakdown"]:
+        print(f"  {line}")
+    print(f"  goal: 1,000 req/s with p99 overhead <= 2 ms: {value} {'met' if met else 'MISSED'}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "router_scale_taskset.json").write_text(json.dumps(results, indent=2))
+    plot_rates(results, OUT / "router_scale_taskset.png")
+    print(f"\nwrote {OUT / 'router_scale_taskset.json'} and {OUT / 'router_scale_taskset.png'}")
 
 
 def cluster_only(num_prompts: int) -> None:

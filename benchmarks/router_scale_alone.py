@@ -20,6 +20,14 @@ from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SCRIPT = Path(__file__).with_name("router_scale.py")  # a router process is the script with --serve-router
+# The cores each process may run on (`router_scale.py --taskset`: "router", "fleet"); empty: any.
+PIN: dict[str, set[int]] = {}
+
+
+def _pinned(role: str):  # type: ignore[no-untyped-def]
+    """The child's affinity, set before it runs anything (every thread it starts inherits it)."""
+    cpus = PIN.get(role)
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
 
 # -- 1. placement ------------------------------------------------------------------------------------
@@ -79,7 +87,7 @@ def placement_cost(num_decode: int, calls: int) -> dict:
 def start_fleet(workers: int, step_s: float) -> tuple[subprocess.Popen, dict[str, str]]:
     fleet = subprocess.Popen(
         [PY, "-m", "tests.fake_workers", "--workers", str(workers), "--step-s", str(step_s)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True, preexec_fn=_pinned("fleet"),
     )  # fmt: skip
     return fleet, json.loads(fleet.stdout.readline())  # type: ignore[union-attr]
 
@@ -87,7 +95,7 @@ def start_fleet(workers: int, step_s: float) -> tuple[subprocess.Popen, dict[str
 def start_router(addresses: dict[str, str]) -> tuple[subprocess.Popen, str]:
     router = subprocess.Popen(
         [PY, str(SCRIPT), "--serve-router", json.dumps(addresses)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True, preexec_fn=_pinned("router"),
     )  # fmt: skip
     return router, router.stdout.readline().strip()  # type: ignore[union-attr]
 

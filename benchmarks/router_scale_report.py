@@ -7,14 +7,7 @@ import os
 from pathlib import Path
 
 
-def print_table(results: dict) -> None:
-    print("\nplacement (one choice after one worker's snapshot changed)")
-    print(f"{'workers':>8} {'pushed us':>10} {'polled compute us':>18} {'vs 16':>6}")
-    at16 = next(r["pushed_us"] for r in results["placement"] if r["workers"] == 16)
-    for r in results["placement"]:
-        print(
-            f"{r['workers']:>8} {r['pushed_us']:>10.1f} {r['polled_compute_us']:>18.1f} {r['pushed_us'] / at16:>6.2f}"
-        )
+def print_rates(results: dict) -> None:
     print("\nrouter overhead (TTFT via router - TTFT direct, same quantile) and sustained rate, 16-token streams")
     print(f"{'workers':>8} {'routers':>7} {'offered':>8} {'achieved':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'router cpu ms/req':>17} {'fleet cpu ms/req':>16}")  # fmt: skip
@@ -25,6 +18,17 @@ def print_table(results: dict) -> None:
                   f"{r['router_cpu_s_per_req'] * 1e3:>17.2f} {r['fleet_cpu_s_per_req'] * 1e3:>16.2f}")  # fmt: skip
         idle = run["idle_router_cpu"]
         print(f"{'':>8} sustained: {run['sustained_rps']:.0f} req/s; idle router CPU (watch streams) {idle:.0%}")
+
+
+def print_table(results: dict) -> None:
+    print("\nplacement (one choice after one worker's snapshot changed)")
+    print(f"{'workers':>8} {'pushed us':>10} {'polled compute us':>18} {'vs 16':>6}")
+    at16 = next(r["pushed_us"] for r in results["placement"] if r["workers"] == 16)
+    for r in results["placement"]:
+        print(
+            f"{r['workers']:>8} {r['pushed_us']:>10.1f} {r['polled_compute_us']:>18.1f} {r['pushed_us'] / at16:>6.2f}"
+        )
+    print_rates(results)
     print("\nper-token relay (closed loop, 64-token streams, workers that do not wait)")
     head = ("concurrency", "direct ms/tok", "router ms/tok", "added ms/tok", "router CPU ms/tok")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (11, 13, 13, 12, 17), strict=True)))
@@ -71,6 +75,15 @@ def breakdown(results: dict) -> list[str]:
         )
     if "cluster" in results:
         lines += cluster_breakdown(results["cluster"])
+    if "pinned" in results:
+        last = results["rate"][-1]["rows"][-1]
+        per_req = last["router_cpu_s_per_req"]
+        lines.append(
+            f"at {last['offered']:.0f} req/s offered: the router's core spent {per_req * 1e3:.2f} ms"
+            f" per request ({last['achieved'] * per_req:.0%} of it busy), the fleet's"
+            f" {last['fleet_cpu_s_per_req'] * 1e3:.2f} ms (its core also runs this load generator)"
+        )
+        return lines
     lines.append(
         f"all processes share {os.cpu_count()} cores: when router + fleet + load generator fill them, a second router"
         " process has no core of its own to run on"
@@ -149,6 +162,26 @@ def plot(results: dict, path: Path) -> None:
     c.plot(cs, [r["relay_ms_per_token"] for r in results["relay"]], "o-")
     c.axhline(0.1, ls=":", color="grey")
     c.set(xscale="log", xlabel="concurrent streams", ylabel="ms per token", title="relay cost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_rates(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for run in results["rate"]:
+        rows, label = run["rows"], f"{run['workers']} workers, {run['routers']} router(s)"
+        a.plot([r["offered"] for r in rows], [r["achieved"] for r in rows], "o-", label=label)
+        b.plot([r["offered"] for r in rows], [r["overhead_p99_ms"] for r in rows], "o-", label=label)
+    a.plot([0, 1000], [0, 1000], ls=":", color="grey")
+    a.set(xlabel="offered req/s", ylabel="completed req/s", title="16-token streams")
+    b.axhline(2.0, ls=":", color="grey")
+    b.set(xlabel="offered req/s", ylabel="p99 overhead ms", yscale="symlog", title="router overhead")
+    a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
