@@ -198,12 +198,15 @@ class EngineLoop:
                 reply = (call_id, True, getattr(self.engine, method)(*args))
             except Exception as e:
                 reply = (call_id, False, _picklable(e))
+            answered = answer == "always" or (answer == "errors" and not reply[1])
+            if answered and self.engine.changes.version != self.sent:
+                # First: a call returns once its front's load shows what it changed. The frame counts the
+                # calls before this one as taken, not this one: a refused submit's front hears the refusal
+                # before any frame could say it was taken without an error.
+                self._send_frame([])
             self.taken = call_id
-            if answer is None or (answer == "errors" and reply[1]):
-                continue  # no answer wanted (a stop string's abort, a submit taken): the turn's frame tells
-            if self.engine.changes.version != self.sent:
-                self._send_frame([])  # first: a call returns once its front's load shows what it changed
-            self.outbox.send(reply)
+            if answered:
+                self.outbox.send(reply)  # else no answer wanted (an abort, a submit taken): the turn's frame tells
         return True
 
 

@@ -313,3 +313,42 @@ def test_the_outbox_says_when_the_front_is_gone():
         for i in range(100):
             outbox.send(i)
             time.sleep(0.01)
+
+
+class Refusing:
+    """An engine's face to `EngineLoop`: `take` changes its load, `refuse` raises."""
+
+    def __init__(self) -> None:
+        from cluster.engine.changes import Changes, Occupancy
+        from cluster.engine.kv_events import KVJournal
+
+        self.changes, self.kv_journal, self.occupancy, self.has_unfinished = Changes(), KVJournal(), Occupancy(), False
+
+    def take(self) -> None:
+        self.changes.bump()
+
+    def refuse(self) -> None:
+        raise ValueError("refused")
+
+
+def test_a_refused_submit_is_answered_before_any_frame_counts_it_taken():
+    """A submit is answered only if it fails, and the front counts a call taken once a frame's `taken`
+    reaches it: the frame sent ahead of a refusal (the load changed) must not count the refused call,
+    or its front would drop the refusal and the request would never end."""
+    import multiprocessing
+
+    from decode_worker.engine_loop import EngineLoop
+
+    commands_theirs, commands = multiprocessing.Pipe(duplex=False)
+    events, events_theirs = multiprocessing.Pipe(duplex=False)
+    loop = EngineLoop(Refusing(), commands_theirs, events_theirs)  # type: ignore[arg-type]
+    commands.send(("take", 0, (), "errors"))
+    commands.send(("refuse", 1, (), "errors"))
+    assert loop._apply_commands()
+    loop.outbox.close()
+    messages = []
+    while events.poll(0.5):
+        messages.append(events.recv())
+    reply = next(i for i, m in enumerate(messages) if isinstance(m, tuple) and m[0] == 1)
+    assert not messages[reply][1] and "refused" in str(messages[reply][2])
+    assert all(m.taken < 1 for m in messages[:reply] if isinstance(m, Frame)), messages
