@@ -8,7 +8,7 @@ this process on one thread, the same requests, all in one run.
 Rows: TPOT at concurrency 1 (16 requests of 128 prompt ids, 64 tokens out), output tokens/s at
 concurrency 32 and 128 (N requests, 64 by default, and 128), and CPU seconds per output token in
 each process: the decode worker's front, its engine core (the `process` rows), the prefill worker,
-and this process (the router and the load generator share it). Goals (the serving-path issue):
+the router (this process) and the client (`tandem bench`'s, a process of its own). Goals (the serving-path issue):
 TPOT overhead at concurrency 1 ≤ 0.5 ms over the engine alone; tokens/s ≥ 0.85 of the engine alone
 at 32 and ≥ 0.8 at 128 (the engine alone on one thread, as the decode worker's engine core has one
 CPU). Every process shares this machine's cores. Prints a table, writes
@@ -65,7 +65,7 @@ def children(pid: int) -> list[int]:
 def processes(cluster) -> dict[str, int]:  # type: ignore[no-untyped-def]
     import ray
 
-    pids = {"this process (router + client)": os.getpid()}
+    pids = {"router": os.getpid()}
     for role in ("decode", "prefill"):
         pid = ray.get(ray.get_actor(f"{role}-0", namespace=cluster.namespace).pid.remote())
         pids[f"{role} worker"] = pid
@@ -75,11 +75,30 @@ def processes(cluster) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return pids
 
 
+def _client(target: str, requests: list, concurrency: int, conn) -> None:  # type: ignore[no-untyped-def]
+    conn.send("ready")
+    conn.recv()  # go: after this process's imports, which are not the client's cost
+    conn.send(drive(target, requests, concurrency))
+
+
 def measured(target: str, requests: list, concurrency: int, pids: dict[str, int]) -> dict:
+    """The requests driven by a client process of their own (`tandem bench`'s), with each process's CPU
+    per output token: the client's apart from the router's (this process)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    client = ctx.Process(target=_client, args=(target, requests, concurrency, theirs))
+    client.start()
+    assert mine.recv() == "ready"
+    pids = {**pids, "client": client.pid}
     before = {name: cpu_s(pid) for name, pid in pids.items()}
-    out = drive(target, requests, concurrency)
+    mine.send("go")
+    out = mine.recv()
+    after = {name: cpu_s(pid) for name, pid in pids.items()}
+    client.join()
     tokens = out["output_token_throughput"] * out["duration_s"]
-    out["cpu_ms_per_token"] = {name: (cpu_s(pid) - before[name]) / tokens * 1e3 for name, pid in pids.items()}
+    out["cpu_ms_per_token"] = {name: (after[name] - before[name]) / tokens * 1e3 for name in pids}
     return out
 
 
