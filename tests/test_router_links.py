@@ -162,3 +162,35 @@ def test_a_router_with_a_stream_interval_sends_fewer_messages_with_the_same_toke
         assert messages[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH and messages[-1].usage.completion_tokens == 17
     finally:
         router.stop()
+
+
+def test_a_client_that_reads_nothing_holds_up_no_other_stream_on_its_worker_and_then_gets_the_rest_merged(fleet):
+    """Two requests on one worker share the router's step stream. The client of one reads nothing (its
+    HTTP/2 window fills, so the router's writes to it wait): the other runs to its end meanwhile, and
+    the first, read at last, gets every token, what piled up merged into fewer messages than steps."""
+    fleet.add("decode-0", step_s=0.0)
+    router = make_router(fleet)
+    address = router.start()
+
+    async def main():  # type: ignore[no-untyped-def]
+        no_window_growth = [("grpc.http2.bdp_probe", 0)]
+        async with (
+            grpc.aio.insecure_channel(address, options=no_window_growth) as held_channel,
+            grpc.aio.insecure_channel(address) as channel,
+        ):
+            sampling = api_pb2.SamplingParams(max_tokens=4000, temperature=0)
+            held = api_pb2_grpc.TandemStub(held_channel).Generate(
+                api_pb2.GenerateRequest(text="w1 x", sampling=sampling, request_id="held")
+            )
+            await held.initial_metadata()  # placed: its tokens are coming
+            other = await stream(api_pb2_grpc.TandemStub(channel), "w2 y", 300)
+            return other, [m async for m in held]
+
+    try:
+        other, held = asyncio.run(main())
+        assert len([t for m in other for t in m.token_ids]) == 300, "the other stream ran to its end"
+        tokens = [t for m in held for t in m.token_ids]
+        assert tokens == [fake_token(FakeTokenizer().encode("w1 x"), i) for i in range(4000)]
+        assert len(held) < 4000, "what piled up while its client read nothing came merged"
+    finally:
+        router.stop()
