@@ -8,6 +8,8 @@ Lifecycle of a link:
     submit    a request goes up as a `StepCommand`, with its trace context; it is now `OnWorker`
     frames    each entry goes to its request's queue; a request reading behind the worker gets what
               piled up merged into one message, never a backlog; its last entry (a finish reason) ends it
+    interval  with `router.stream_interval` above 1, `in_intervals` holds a request's tokens after its
+              first until that many have come, so a client message carries several steps
     ended     a `RequestEnded` fails that request alone with the worker's code (refused at submit, failed
               since), as a failed Submit call would
     cancel    an attempt that ends unfinished (the client left, its deadline passed, its prefill failed)
