@@ -133,13 +133,18 @@ def test_the_engines_errors_cross_the_pipe(core):
     assert core.abort("never-here") is False
 
 
-def test_an_aborted_requests_blocks_are_free_when_the_abort_returns(core):
-    core, frames = core
-    core.add_request("long", list(range(10, 80)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+def running(core: ProcessCore, frames: Frames, rid: str, prompt: list[int], tokens: int) -> None:
+    """Starts a long greedy request and returns once its first `tokens` tokens have come."""
+    core.add_request(rid, prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
     deadline = time.monotonic() + 30
-    while len(frames.tokens.get("long", [])) < 3:
+    while len(frames.tokens.get(rid, [])) < tokens:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_an_aborted_requests_blocks_are_free_when_the_abort_returns(core):
+    core, frames = core
+    running(core, frames, "long", list(range(10, 80)), 3)
     assert core.occupancy.free_blocks < 256
     assert core.abort("long") is True
     assert core.occupancy.free_blocks == 256 and core.occupancy.running == 0
@@ -260,11 +265,7 @@ def test_the_frame_reader_never_waits_on_the_command_pipe(core):
     pipe (as a sender blocked on a full pipe would): were the reader to wait there while the core
     waits for it to read a frame, both would hang. The abort still lands once the pipe is free."""
     core, frames = core
-    core.add_request("held", list(range(10, 60)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
-    deadline = time.monotonic() + 30
-    while len(frames.tokens.get("held", [])) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    running(core, frames, "held", list(range(10, 60)), 2)
     with core._send_lock:  # the pipe is taken
         asked = threading.Thread(target=core.abort_soon, args=("held",), daemon=True)
         asked.start()
