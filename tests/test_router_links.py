@@ -194,3 +194,20 @@ def test_a_client_that_reads_nothing_holds_up_no_other_stream_on_its_worker_and_
         assert len(held) < 4000, "what piled up while its client read nothing came merged"
     finally:
         router.stop()
+
+
+def test_a_worker_that_goes_leaves_no_step_stream_behind(fleet):
+    fleet.add("decode-0", step_s=0.001)
+    router = make_router(fleet)
+    address = router.start()
+    try:
+        [messages] = run_streams(address, 1, 4, channels=1)
+        assert not isinstance(messages, BaseException), messages
+        assert "decode-0" in router.dispatcher.links
+        fleet.remove("decode-0")  # its server stops: the stream ends
+        deadline = time.monotonic() + 5
+        while "decode-0" in router.dispatcher.links and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "decode-0" not in router.dispatcher.links
+    finally:
+        router.stop()

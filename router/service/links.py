@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from tandem.v1 import worker_pb2
@@ -121,8 +121,12 @@ class OnWorker:
 class StepLink:
     """This router's step stream to one decode worker (on the router's event loop)."""
 
-    def __init__(self, name: str, address: str, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self, name: str, address: str, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]],
+        on_broken: Callable[[StepLink], None] = lambda link: None,
+    ) -> None:  # fmt: skip
         self.name, self.address, self.channel = name, address, channel
+        self._on_broken = on_broken  # told once the stream has failed or ended
         self.broken: Broken | None = None
         self._requests: dict[str, OnWorker] = {}
         self._commands: asyncio.Queue[worker_pb2.StepCommand | None] = asyncio.Queue()
@@ -174,6 +178,7 @@ class StepLink:
             broken = Broken(grpc.StatusCode.UNAVAILABLE, "the call was cancelled: the worker left", "decode", self.name)
         self.broken = broken
         self._commands.put_nowait(None)
+        self._on_broken(self)
         requests, self._requests = self._requests, {}
         for placed in requests.values():
             placed.put(broken)
@@ -194,11 +199,21 @@ class StepLinks:
         if member is None:
             raise Broken(grpc.StatusCode.UNAVAILABLE, "a chosen worker left", "decode", worker)
         link = self._links.get(worker)
-        if link is None or link.broken is not None or link.channel is not member[1]:
+        if link is None or link.channel is not member[1]:  # none yet, or the worker's channel is new
             if link is not None:
                 link.close()
-            link = self._links[worker] = StepLink(worker, *member, self.view.pool.metadata)
+            link = self._links[worker] = StepLink(worker, *member, self.view.pool.metadata, self._forget)
         return link.submit(request, trace, timeout)
+
+    def _forget(self, link: StepLink) -> None:
+        """A broken link leaves at once: the worker's next request opens a new one, and a worker gone
+        for good leaves nothing behind."""
+        if self._links.get(link.name) is link:
+            del self._links[link.name]
+
+    def __contains__(self, worker: str) -> bool:
+        """Whether a step stream to `worker` is open."""
+        return worker in self._links
 
     def close(self) -> None:
         for link in self._links.values():
