@@ -24,7 +24,6 @@ close, fails every stream and calls `on_exit`: the worker stops serving and call
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import multiprocessing
 import queue
@@ -35,13 +34,14 @@ from typing import Any
 
 import torch.multiprocessing  # noqa: F401  (its reductions send the shared KV cache over the pipe)
 
-from cluster.config import ClusterConfig, SchedulerConfig, dump_config
+from cluster.config import ClusterConfig, SchedulerConfig
 from cluster.engine.changes import Changes, Occupancy
+from cluster.engine.core_process import IDLE_WAKE_S, CoreDied, CorePipe, spawn
 from cluster.engine.kv_events import KVBatch, KVJournal
 from cluster.engine.request import SamplingParams
 from cluster.engine.sampler import TokenLogprob
 from decode_worker.engine import Engine
-from decode_worker.engine_loop import IDLE_WAKE_S, CoreInfo, Frame, OnFrame, core_main
+from decode_worker.engine_loop import CoreInfo, Frame, OnFrame, core_main
 from decode_worker.text import RequestOutput, TextStreams
 
 log = logging.getLogger(__name__)
@@ -193,13 +193,9 @@ class ThreadCore(CoreHandle):
             on_frame(Frame(outputs, engine.occupancy, None, engine.has_unfinished, steps=self.steps))
 
 
-class CoreDied(RuntimeError):
-    """The engine core process is gone: nothing it held can be reached."""
-
-
-class ProcessCore(CoreHandle):
+class ProcessCore(CorePipe, CoreHandle):
     """The engine in a child process; this object is its front's handle. Calls are round trips on
-    a pipe (the core takes commands between steps, never mid-step), each bounded by `call_timeout_s`;
+    the pipe (`cluster.engine.core_process`: the core takes commands between steps, never mid-step);
     `run` reads the frames, keeping the load, the change counter and a mirror of the prefix cache's
     journal for Watch, and gives their outputs their text."""
 
@@ -207,8 +203,8 @@ class ProcessCore(CoreHandle):
         self, process: multiprocessing.process.BaseProcess, commands, events, info: CoreInfo,
         scheduler_config: SchedulerConfig, text: TextStreams, call_timeout_s: float = 30.0,
     ) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
-        self.process, self.info, self.scheduler_config = process, info, scheduler_config
-        self.text, self.call_timeout_s = text, call_timeout_s
+        super().__init__(process, commands, events, call_timeout_s)
+        self.info, self.scheduler_config, self.text = info, scheduler_config, text
         self.kv_journal = KVJournal()  # the core's journal, replayed from the frames
         self.changes = Changes()
         self.occupancy = info.occupancy
@@ -216,13 +212,8 @@ class ProcessCore(CoreHandle):
         self.steps = 0  # the core's steps, as of its last frame
         # The core died (it was not stopped): the worker's own `on_fatal` follows.
         self.on_exit: Callable[[], None] = lambda: None
-        self._commands, self._events = commands, events
-        self._send_lock = threading.Lock()
-        self._calls: dict[int, tuple[threading.Event, list]] = {}
         self._later: dict[int, tuple[str, Callable[[Exception], None]]] = {}  # unanswered, by call id
         self._later_lock = threading.Lock()  # never held across a pipe write: the frame reader takes it
-        self._ids = itertools.count()
-        self._stopping = False
         # Aborts the frame reader asks for, sent by a thread of their own: the reader never writes to the
         # pipe, since a full one would block it while the core, blocked on a full events pipe, waits
         # for it to read.
@@ -239,88 +230,38 @@ class ProcessCore(CoreHandle):
         from cluster.model.gguf import model_folder  # here: a GPU check's intake process has no tokenizer library
         from cluster.model.tokenizer import Tokenizer
 
-        ctx = multiprocessing.get_context("spawn")  # never fork: the front holds gRPC's and torch's threads
-        commands_theirs, commands = ctx.Pipe(duplex=False)
-        events, events_theirs = ctx.Pipe(duplex=False)
-        process = ctx.Process(
-            target=main, args=(commands_theirs, events_theirs, dump_config(config)), name=f"{worker_id}-core",
-            daemon=True,
-        )  # fmt: skip
-        process.start()
-        commands_theirs.close()
-        events_theirs.close()
-        text = TextStreams(Tokenizer(model_folder(config.model.path)))
-        if not events.poll(timeout_s):
-            process.kill()
-            raise CoreDied(f"the engine core did not start within {timeout_s:g} s")
-        try:
-            hello = events.recv()
-        except EOFError:
-            process.join(5)
-            raise CoreDied(f"the engine core exited while starting (exit code {process.exitcode})") from None
-        if isinstance(hello, BaseException):
-            process.join(5)
-            raise hello
-        return cls(process, commands, events, hello, config.scheduler, text, config.scheduler.wedged_after_s)
+        process, commands, events, info, tokenizer = spawn(
+            main, config, f"{worker_id}-core", timeout_s, lambda: Tokenizer(model_folder(config.model.path))
+        )
+        return cls(
+            process, commands, events, info, config.scheduler, TextStreams(tokenizer), config.scheduler.wedged_after_s
+        )
 
     def run(self, on_frame: OnFrame, stopped: threading.Event) -> None:
         """Reads the core's frames and replies until its pipe closes (`stop`, or its death)."""
-        while True:
-            try:
-                message = self._events.recv()
-            except (EOFError, OSError):
-                break
-            if isinstance(message, Frame):
-                self._take(message)
-                message.outputs = self._with_text(message.outputs)
-                on_frame(message)
-            else:
-                call_id, ok, value = message
-                with self._later_lock:
-                    later = self._later.pop(call_id, None)  # answered only when it failed
-                if later is not None:
-                    if self.text is not None:
-                        self.text.close(later[0])
-                    later[1](value)
-                waiting = self._calls.get(call_id)
-                if waiting is not None:
-                    waiting[1].append((ok, value))
-                    waiting[0].set()
+
+        def take(frame: Frame) -> None:
+            self._take(frame)
+            frame.outputs = self._with_text(frame.outputs)
+            on_frame(frame)
+
+        died = self._read(take)
         self._later.clear()  # their requests fail with the frame below
-        for done, result in list(self._calls.values()):  # calls in flight get the news
-            result.append((False, CoreDied("the engine core process is gone")))
-            done.set()
-        if not (self._stopping or stopped.is_set()):
-            log.error("the engine core process died (exit code %s)", self.process.exitcode)
+        if died and not stopped.is_set():
             on_frame(Frame(occupancy=self.occupancy, failed="the engine core process died"))
             self.on_exit()
 
     def stop(self) -> None:
-        self._stopping = True
         self._aborts.put(None)
-        with self._send_lock, contextlib.suppress(OSError, ValueError):
-            self._commands.send(("stop", -1, (), None))
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+        super().stop()
 
-    def _send(self, method: str, *args: Any) -> Any:
-        """A round trip: the engine's answer, or what it raised."""
-        done, result = threading.Event(), []
-        call_id = -1
-        try:
-            call_id = self._command(
-                method, args, "always", lambda call_id: self._calls.__setitem__(call_id, (done, result))
-            )
-            if not done.wait(self.call_timeout_s):
-                raise CoreDied(f"the engine core did not answer {method} within {self.call_timeout_s:g} s")
-        finally:
-            self._calls.pop(call_id, None)
-        ok, value = result[0]
-        if not ok:
-            raise value
-        return value
+    def _answered(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._later_lock:
+            later = self._later.pop(call_id, None)  # answered only when it failed
+        if later is not None:
+            if self.text is not None:
+                self.text.close(later[0])
+            later[1](value)
 
     def _send_later(self, method: str, args: tuple, refused: Callable[[Exception], None]) -> None:
         """A command answered only if it fails; the frames say which commands the core has taken."""
@@ -350,21 +291,6 @@ class ProcessCore(CoreHandle):
         while (request_id := self._aborts.get()) is not None:
             with contextlib.suppress(CoreDied):
                 self._command("abort", (request_id,), None)
-
-    def _command(
-        self, method: str, args: tuple, answer: str | None, register: Callable[[int], None] | None = None
-    ) -> int:
-        """Sends a command under the next call id, in id order (`register` sees the id first). The core
-        answers it "always", only on "errors", or never (None)."""
-        with self._send_lock:
-            call_id = next(self._ids)
-            if register is not None:
-                register(call_id)
-            try:
-                self._commands.send((method, call_id, args, answer))
-            except (OSError, ValueError):
-                raise CoreDied("the engine core process is gone") from None
-        return call_id
 
     def _take(self, frame: Frame) -> None:
         self.occupancy, self.has_unfinished, self.steps = frame.occupancy, frame.busy, frame.steps

@@ -6,19 +6,16 @@
     EngineLoop                            the one thread stepping the engine: commands between steps,
                                           one `Frame` after each turn that changed anything, asleep
                                           on its commands when idle
-    Outbox                                what the loop tells the front, pickled and written to the
-                                          pipe by a thread of its own, beside the next step
 
-A `Frame` and a `CoreInfo` are what the core tells its front; the front's handles are in
-`decode_worker.core`. No gRPC, no tokenizer's text and no server threads run here.
+The pipe between the core and its front, and what both ends do alike (the commands, the `Outbox`
+that writes frames beside the next step), are `cluster.engine.core_process`'s. A `Frame` and a
+`CoreInfo` are what the core tells its front; the front's handles are in `decode_worker.core`. No
+gRPC, no tokenizer's text and no server threads run here.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
-import queue
-import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,15 +23,13 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.engine.changes import Occupancy
+from cluster.engine.core_process import IDLE_WAKE_S, CoreLoop
 from cluster.engine.kv_events import KVBatch
 from cluster.model.arch import ModelArch
 from decode_worker.engine import Engine
 from decode_worker.text import RequestOutput
 
 log = logging.getLogger(__name__)
-
-# An idle core sleeps on its commands; it wakes this often anyway (the front's watchdog sees it alive).
-IDLE_WAKE_S = 0.5
 
 
 @dataclass
@@ -106,60 +101,14 @@ def core_main(commands, events, config_json: str) -> None:  # type: ignore[no-un
     EngineLoop(engine, commands, events).run()
 
 
-class Outbox:
-    """The core's messages to its front, in order, sent by a thread of their own: a frame's pickling,
-    and its write (which waits while the front reads the frame before), overlap the next step
-    instead of delaying it. At most `depth` wait, so a front that falls behind still slows the core."""
-
-    def __init__(self, events, depth: int = 4) -> None:  # type: ignore[no-untyped-def]
-        self.events = events
-        self.gone = False  # the front closed the pipe
-        self._queue: queue.Queue[object] = queue.Queue(depth)
-        self._thread = threading.Thread(target=self._send, daemon=True, name="core-outbox")
-        self._thread.start()
-
-    def send(self, message: object) -> None:
-        """Queues `message`; raises EOFError once the front is gone."""
-        while not self.gone:
-            try:
-                self._queue.put(message, timeout=IDLE_WAKE_S)
-                return
-            except queue.Full:
-                continue
-        raise EOFError("the front closed the pipe")
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Sends what is queued, then stops."""
-        if not self.gone:
-            self._queue.put(None)
-            self._thread.join(timeout_s)
-
-    def _send(self) -> None:
-        while (message := self._queue.get()) is not None:
-            try:
-                self.events.send(message)
-            except (OSError, ValueError):
-                self.gone = True
-                return
-
-
-class EngineLoop:
-    """The core's stepping thread: commands between steps, a frame after each turn that changed anything."""
+class EngineLoop(CoreLoop):
+    """The decode core's stepping thread: commands between steps, a frame after each turn that changed anything."""
 
     def __init__(self, engine: Engine, commands, events) -> None:  # type: ignore[no-untyped-def]
-        self.engine, self.commands = engine, commands
-        self.outbox = Outbox(events)
+        super().__init__(engine, commands, events)
         self.cursor: int | None = None  # the journal's events the front has
         self.sent = engine.changes.version  # the change count the last frame (or the hello) told
         self.steps = 0
-        self.taken = -1
-
-    def run(self) -> None:
-        try:
-            self._turns()
-        except (EOFError, OSError):
-            return  # the front is gone
-        self.outbox.close()
 
     def _turns(self) -> None:
         """Turns until `stop`."""
@@ -188,32 +137,6 @@ class EngineLoop:
             self.cursor = batch.last
         self.outbox.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps, self.taken))
 
-    def _apply_commands(self) -> bool:
-        """Every command waiting; False on `stop`."""
-        while self.commands.poll(0):
-            method, call_id, args, answer = self.commands.recv()
-            if method == "stop":
-                return False
-            try:
-                reply = (call_id, True, getattr(self.engine, method)(*args))
-            except Exception as e:
-                reply = (call_id, False, _picklable(e))
-            answered = answer == "always" or (answer == "errors" and not reply[1])
-            if answered and self.engine.changes.version != self.sent:
-                # First: a call returns once its front's load shows what it changed. The frame counts the
-                # calls before this one as taken, not this one: a refused submit's front hears the refusal
-                # before any frame could say it was taken without an error.
-                self._send_frame([])
-            self.taken = call_id
-            if answered:
-                self.outbox.send(reply)  # else no answer wanted (an abort, a submit taken): the turn's frame tells
-        return True
-
-
-def _picklable(e: Exception) -> Exception:
-    """`e` itself when it crosses the pipe (the engine's KeyError, ValueError, MemoryError do)."""
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:
-        return RuntimeError(repr(e))
+    def _before_answer(self) -> None:
+        if self.engine.changes.version != self.sent:
+            self._send_frame([])

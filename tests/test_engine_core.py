@@ -18,10 +18,11 @@ import pytest
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 from cluster.config import parse_config
+from cluster.engine.core_process import Outbox
 from cluster.engine.request import SamplingParams
 from decode_worker import service as decode_service
 from decode_worker.core import ProcessCore
-from decode_worker.engine_loop import Frame, Outbox, build_engine
+from decode_worker.engine_loop import Frame, build_engine
 from router.sdk.client import Client
 from router.service.server import from_config
 from tests.conftest import drive

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import parse_config
+from cluster.engine.core_process import IDLE_WAKE_S
 from decode_worker import service as decode_service
-from decode_worker.engine_loop import IDLE_WAKE_S
 from prefill_worker import service as prefill_service
 from router.sdk.client import Client
 from router.service.server import from_config

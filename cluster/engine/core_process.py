@@ -1,0 +1,245 @@
+"""An engine in a process of its own, both ends of the pipe between it and its worker's front.
+
+    spawn(main, config, name)   starts `main(commands, events, config_json)` in a spawned process and
+                                waits for its hello (what its front needs to know of the engine once)
+    CorePipe                    the front's end: round-trip calls, one-way commands, and the reader that
+                                hands on each frame the core sends
+    CoreLoop                    the core's end: the one thread stepping the engine, which applies every
+                                waiting command between steps and sleeps on the pipe when idle
+    Outbox                      the core's messages to its front, written by a thread of their own
+
+A command is `(method, call_id, args, answer)`: the core calls `engine.method(*args)` and answers
+`(call_id, ok, value)` "always", only on "errors", or never (None). Commands carry increasing call ids,
+and each frame says the last one the core applied (`taken`), so a front knows which commands
+answered only on errors went through. Each role's frames and engine are its own: the decode
+worker's in `decode_worker.core` and `decode_worker.engine_loop`, the prefill worker's in
+`prefill_worker.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cluster.config import ClusterConfig, dump_config
+
+log = logging.getLogger(__name__)
+
+# An idle core sleeps on its commands; it wakes this often anyway (the front's watchdog sees it alive).
+IDLE_WAKE_S = 0.5
+
+
+class CoreDied(RuntimeError):
+    """The engine core process is gone: nothing it held can be reached."""
+
+
+def spawn(
+    main: Callable[..., None], config: ClusterConfig, name: str, timeout_s: float = 600.0,
+    meanwhile: Callable[[], Any] = lambda: None,
+) -> tuple[multiprocessing.process.BaseProcess, Any, Any, Any, Any]:  # fmt: skip
+    """Starts `main` in a process of its own and waits until it says hello (its engine built and
+    warmed up), running `meanwhile` here in the meantime. Returns the process, the front's ends of
+    the command and event pipes, the hello, and what `meanwhile` returned; raises CoreDied if the core
+    never says hello, or what it sent instead (its start failed)."""
+    ctx = multiprocessing.get_context("spawn")  # never fork: the front holds gRPC's and torch's threads
+    commands_theirs, commands = ctx.Pipe(duplex=False)
+    events, events_theirs = ctx.Pipe(duplex=False)
+    process = ctx.Process(
+        target=main, args=(commands_theirs, events_theirs, dump_config(config)), name=name, daemon=True
+    )
+    process.start()
+    commands_theirs.close()
+    events_theirs.close()
+    extra = meanwhile()
+    if not events.poll(timeout_s):
+        process.kill()
+        raise CoreDied(f"the engine core did not start within {timeout_s:g} s")
+    try:
+        hello = events.recv()
+    except EOFError:
+        process.join(5)
+        raise CoreDied(f"the engine core exited while starting (exit code {process.exitcode})") from None
+    if isinstance(hello, BaseException):
+        process.join(5)
+        raise hello
+    return process, commands, events, hello, extra
+
+
+class CorePipe:
+    """The front's end of a core process's pipes. Calls are round trips, each bounded by
+    `call_timeout_s`; `read` hands on every frame until the core's end closes."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, commands, events, call_timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+        self.process, self.call_timeout_s = process, call_timeout_s
+        self._commands, self._events = commands, events
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, tuple[threading.Event, list]] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+
+    def stop(self) -> None:
+        self._stopping = True
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self._commands.send(("stop", -1, (), None))
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def _send(self, method: str, *args: Any) -> Any:
+        """A round trip: the engine's answer, or what it raised."""
+        done, result = threading.Event(), []
+        call_id = -1
+        try:
+            call_id = self._command(
+                method, args, "always", lambda call_id: self._calls.__setitem__(call_id, (done, result))
+            )
+            if not done.wait(self.call_timeout_s):
+                raise CoreDied(f"the engine core did not answer {method} within {self.call_timeout_s:g} s")
+        finally:
+            self._calls.pop(call_id, None)
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
+
+    def _command(
+        self, method: str, args: tuple, answer: str | None, register: Callable[[int], None] | None = None
+    ) -> int:
+        """Sends a command under the next call id, in id order (`register` sees the id first). The core
+        answers it "always", only on "errors", or never (None)."""
+        with self._send_lock:
+            call_id = next(self._ids)
+            if register is not None:
+                register(call_id)
+            try:
+                self._commands.send((method, call_id, args, answer))
+            except (OSError, ValueError):
+                raise CoreDied("the engine core process is gone") from None
+        return call_id
+
+    def _read(self, on_frame: Callable[[Any], None]) -> bool:
+        """Hands each frame to `on_frame` and each answer to its caller until the core's end closes;
+        then fails the calls still waiting. True if the core died (it was not stopped)."""
+        while True:
+            try:
+                message = self._events.recv()
+            except (EOFError, OSError):
+                break
+            if not isinstance(message, tuple):
+                on_frame(message)
+                continue
+            call_id, ok, value = message
+            self._answered(call_id, ok, value)
+            waiting = self._calls.get(call_id)
+            if waiting is not None:
+                waiting[1].append((ok, value))
+                waiting[0].set()
+        for done, result in list(self._calls.values()):  # calls in flight get the news
+            result.append((False, CoreDied("the engine core process is gone")))
+            done.set()
+        died = not self._stopping
+        if died:
+            log.error("the engine core process %s died (exit code %s)", self.process.name, self.process.exitcode)
+        return died
+
+    def _answered(self, call_id: int, ok: bool, value: Any) -> None:
+        """An answer came (before its caller, if any, wakes)."""
+
+
+class Outbox:
+    """The core's messages to its front, in order, sent by a thread of their own: a frame's pickling,
+    and its write (which waits while the front reads the frame before), overlap the next step
+    instead of delaying it. At most `depth` wait, so a front that falls behind still slows the core."""
+
+    def __init__(self, events, depth: int = 4) -> None:  # type: ignore[no-untyped-def]
+        self.events = events
+        self.gone = False  # the front closed the pipe
+        self._queue: queue.Queue[object] = queue.Queue(depth)
+        self._thread = threading.Thread(target=self._send, daemon=True, name="core-outbox")
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        """Queues `message` (from any thread); raises EOFError once the front is gone."""
+        while not self.gone:
+            try:
+                self._queue.put(message, timeout=IDLE_WAKE_S)
+                return
+            except queue.Full:
+                continue
+        raise EOFError("the front closed the pipe")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Sends what is queued, then stops."""
+        if not self.gone:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+    def _send(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self.events.send(message)
+            except (OSError, ValueError):
+                self.gone = True
+                return
+
+
+class CoreLoop:
+    """The core's stepping thread: `_turns` steps the engine, calling `_apply_commands` between steps,
+    until the front says stop or closes its end."""
+
+    def __init__(self, engine: Any, commands, events) -> None:  # type: ignore[no-untyped-def]
+        self.engine, self.commands = engine, commands
+        self.outbox = Outbox(events)
+        self.taken = -1  # the last command applied
+
+    def run(self) -> None:
+        try:
+            self._turns()
+        except (EOFError, OSError):
+            return  # the front is gone
+        self.outbox.close()
+
+    def _turns(self) -> None:
+        """Turns until `_apply_commands` says stop."""
+        raise NotImplementedError
+
+    def _before_answer(self) -> None:
+        """What goes out ahead of a command's answer (the decode core: a frame with the load it changed)."""
+
+    def _apply_commands(self) -> bool:
+        """Every command waiting; False on `stop`."""
+        while self.commands.poll(0):
+            method, call_id, args, answer = self.commands.recv()
+            if method == "stop":
+                return False
+            try:
+                reply = (call_id, True, getattr(self.engine, method)(*args))
+            except Exception as e:
+                reply = (call_id, False, _picklable(e))
+            answered = answer == "always" or (answer == "errors" and not reply[1])
+            if answered:
+                # First: a call returns once its front's load shows what it changed. That frame counts the
+                # calls before this one as taken, not this one: a refused submit's front hears the refusal
+                # before any frame could say it was taken without an error.
+                self._before_answer()
+            self.taken = call_id
+            if answered:
+                self.outbox.send(reply)  # else no answer wanted (an abort, a submit taken): the turn's frame tells
+        return True
+
+
+def _picklable(e: Exception) -> Exception:
+    """`e` itself when it crosses the pipe (the engine's KeyError, ValueError, MemoryError do)."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return RuntimeError(repr(e))
