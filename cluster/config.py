@@ -112,8 +112,8 @@ class SchedulerConfig(_Part):
     )
     engine_core: Literal["process", "thread"] = Field(
         default="process",
-        description="Where a decode worker's engine steps: a process of its own, whose GIL the gRPC front never "
-        "takes (one frame per step between them), or a thread of the worker's own process.",
+        description="Where a worker's engine steps (prefill and decode alike): a process of its own, whose GIL "
+        "the gRPC front never takes (one frame per step between them), or a thread of the worker's own process.",
     )
 
 

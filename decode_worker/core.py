@@ -37,7 +37,7 @@ import torch.multiprocessing  # noqa: F401  (its reductions send the shared KV c
 from cluster.config import ClusterConfig, SchedulerConfig
 from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.core_process import IDLE_WAKE_S, CoreDied, CorePipe, spawn
-from cluster.engine.kv_events import KVBatch, KVJournal
+from cluster.engine.kv_events import KVJournal, replay
 from cluster.engine.request import SamplingParams
 from cluster.engine.sampler import TokenLogprob
 from decode_worker.engine import Engine
@@ -301,19 +301,3 @@ class ProcessCore(CorePipe, CoreHandle):
         if frame.kv is not None:
             replay(self.kv_journal, frame.kv)
         self.changes.bump()
-
-
-def replay(journal: KVJournal, batch: KVBatch) -> None:
-    """Applies another journal's batch to `journal`, which then holds what that one holds."""
-    if batch.snapshot:
-        for block_hash in journal.held() - set(batch.stored):
-            journal.removed(block_hash)
-        held = journal.held()
-        for block_hash in batch.stored:
-            if block_hash not in held:
-                journal.stored(block_hash)
-        return
-    for block_hash in batch.removed:
-        journal.removed(block_hash)
-    for block_hash in batch.stored:
-        journal.stored(block_hash)

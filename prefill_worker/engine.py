@@ -102,6 +102,8 @@ class PrefillEngine:
         layerwise = transfer.layerwise
         self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
         self._jobs: dict[str, _Job] = {}
+        # Called (on the transfer's own thread) as each transfer ends: its request id and stream.
+        self.on_transfer_end: Callable[[str, SendStream], None] | None = None
         self.changes = Changes()  # bumped after every change of what it holds; its loop and Watch wait on it
         self._stats = self._snapshot()
 
@@ -157,6 +159,13 @@ class PrefillEngine:
         found = self.scheduler.abort(request_id)
         self._changed()
         return found
+
+    def abort_all(self) -> list[str]:
+        """Aborts every request here (a failed pass lost them all); their ids."""
+        request_ids = list(self._jobs)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
 
     def step(self) -> list[PrefillOutput]:
         self.poll_leases()
@@ -257,7 +266,11 @@ class PrefillEngine:
             num_output_tokens=len(request.output_token_ids),
             first_position=self._jobs[request.request_id].skip,
         )
-        return self._jobs[request.request_id].sender.open(header)
+        stream = self._jobs[request.request_id].sender.open(header)
+        if self.on_transfer_end is not None:
+            on_end = self.on_transfer_end
+            stream.when_finished(lambda s: on_end(request.request_id, s))
+        return stream
 
     def _shipper(self, finishing: list[ScheduledChunk]) -> Callable[[int], None]:
         """The per-layer hook: once the last layer of a chunk group is done, gathers each finishing

@@ -3,15 +3,16 @@ share (`cluster.worker_shell`: the server's lifecycle, Abort, GetLoad, Watch, Dr
 
 Lifecycle of a request here:
 
-    Submit(decode_target)   the prompt is queued on the prefill engine, its KV bound for the decode
-                            worker at `decode_target` over the configured transport
-    engine loop thread      steps the engine while it has work and releases expired leases
+    Submit(decode_target)   the prompt is queued on the prefill engine's core, its KV bound for the
+                            decode worker at `decode_target` over the configured transport
+    engine core             steps the engine while it has work and releases expired leases: in a
+                            process of its own (`prefill_worker.core`), or a thread of this one
     the call answers        with the first token as soon as it is sampled, then ends once the decode
                             worker has admitted the sequence, or fails with the transfer's status
                             code; a cancelled call aborts the request and its transfer
     Watch                   each router's stream of this worker's load (`watch_loads`)
 
-The engine is stepped by one thread; Submit and Abort reach it through the worker's lock.
+The front reads the core's frames on a thread of its own: each first token goes to its Submit.
 """
 
 from __future__ import annotations
@@ -23,45 +24,35 @@ from concurrent.futures import CancelledError, Future
 import grpc
 from tandem.v1 import api_pb2, worker_pb2
 
-from cluster.auth import secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, TransferConfig
-from cluster.engine.model_runner import num_kv_blocks
-from cluster.engine.structured import for_tokenizer
 from cluster.grpc_server import admit_submit
-from cluster.kv.collective import CollectiveGroups
-from cluster.kv.grpc_transport import CollectiveSender, GrpcSender
-from cluster.kv.transport import KVSender, TransferState
+from cluster.kv.transport import TransferState
 from cluster.telemetry import Telemetry, extract
-from cluster.tls import channel_credentials
-from cluster.worker_shell import WorkerShell, load_model_and_tokenizer
-from prefill_worker.engine import PrefillEngine, PrefillOutput
+from cluster.worker_shell import WorkerShell
+from prefill_worker.core import Frame, ProcessCore, ThreadCore, build_engine, senders_for
+from prefill_worker.engine import PrefillOutput
 
-LEASE_POLL_S = 0.05  # how often an idle prefill worker releases the blocks of transfers that ended
+Core = ThreadCore | ProcessCore
 
 
-class PrefillWorker(WorkerShell[PrefillEngine]):
-    groups: CollectiveGroups  # always: a collective transport's senders join their groups through it
-
+class PrefillWorker(WorkerShell[Core]):
     def __init__(
         self,
-        engine: PrefillEngine,
+        engine: Core,
         transfer: TransferConfig,
         worker_id: str,
-        groups: CollectiveGroups | None = None,  # on the CPU when not given
         telemetry: Telemetry | None = None,
         auth: AuthConfig | None = None,
         wedged_after_s: float = 30.0,
     ) -> None:
-        if groups is None:
-            groups = CollectiveGroups("cpu", transfer.timeout_s, transfer.max_groups)
-        super().__init__(engine, worker_id, groups, telemetry, auth, wedged_after_s)
+        super().__init__(engine, worker_id, None, telemetry, auth, wedged_after_s)  # the core holds the KV senders
         self.transfer = transfer
-        self._senders: dict[str, KVSender] = {}  # under the shell's lock, with the engine and the waiters
         self._waiters: dict[str, Future[tuple[PrefillOutput, float, float]]] = {}  # (output, step start, end)
+        if isinstance(engine, ProcessCore):
+            engine.on_exit = self._core_died
 
     def _after_server_stop(self) -> None:
-        for sender in self._senders.values():
-            sender.close()  # type: ignore[attr-defined]
+        self.engine.stop()
 
     # -- the Worker service ------------------------------------------------------------------------
 
@@ -79,15 +70,18 @@ class PrefillWorker(WorkerShell[PrefillEngine]):
         )  # fmt: skip
         waiter: Future[tuple[PrefillOutput, float, float]] = Future()
         with self._lock:
-            try:
-                sender = self._sender(request.decode_target)
-                prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
-                self.engine.add_request(
-                    rid, prompt, params, sender, request.capability, output, request.decode_cached_tokens
-                )
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self._waiters[rid] = waiter
+            if rid in self._waiters:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already prefilling here")
+            self._waiters[rid] = waiter  # first: its first token may come before the call returns
+        try:
+            prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+            self.engine.add_request(
+                rid, prompt, params, request.decode_target, request.capability, output, request.decode_cached_tokens
+            )
+        except ValueError as e:
+            with self._lock:
+                self._waiters.pop(rid, None)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         done = False
         context.add_callback(lambda: None if done else self._cancel(rid))
         try:
@@ -163,70 +157,53 @@ class PrefillWorker(WorkerShell[PrefillEngine]):
             m.transfer_failures.labels(error.code.name).inc()
 
     def _busy(self) -> bool:
-        return self.engine.scheduler.has_work
-
-    def _sender(self, target: str) -> KVSender:
-        sender = self._senders.get(target)
-        if sender is None:
-            t = self.transfer
-            metadata, creds = secret_metadata(self.auth), channel_credentials(self.auth)
-            if t.transport == "collective":
-                sender = CollectiveSender(target, self.groups, t.timeout_s, t.max_queued_chunks, metadata, creds)
-            else:
-                mib = t.max_message_mib << 20
-                sender = GrpcSender(target, t.timeout_s, mib, t.max_queued_chunks, metadata, creds)
-            self._senders[target] = sender
-        return sender
+        return self.engine.has_work
 
     def _cancel(self, rid: str) -> bool:
         with self._lock:
             waiter = self._waiters.pop(rid, None)
-            found = self.engine.abort(rid)
+        found = self.engine.abort(rid)
         if waiter is not None and not waiter.done():
             waiter.cancel()
         return found
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.watchdog.progress()
-            seen = self.engine.changes.version  # read first: a change from here on wakes the wait below
-            with self._lock:
-                busy = self.engine.scheduler.has_work
-                try:
-                    step_start = time.time()
-                    outputs = self.engine.step() if busy else []
-                    step_end = time.time()
-                except Exception as e:  # a failed pass fails every waiting call, loudly
-                    for rid, waiter in list(self._waiters.items()):
-                        self.engine.abort(rid)
-                        if not waiter.done():
-                            waiter.set_exception(e)
-                    self._waiters.clear()
-                    outputs = []
-                if not busy:
-                    self.engine.poll_leases()
-                for out in outputs:
+        self.engine.run(self._on_frame, self._stop)
+
+    def _on_frame(self, frame: Frame) -> None:
+        """One turn of the engine core: each first token to its Submit; a failed step (the core aborted
+        every request) fails them all."""
+        self.watchdog.progress()
+        with self._lock:
+            if frame.failed is not None:
+                failed, self._waiters = list(self._waiters.values()), {}
+            else:
+                failed = []
+                for out in frame.outputs:
                     waiter = self._waiters.pop(out.request_id, None)
                     if waiter is not None and not waiter.done():
-                        waiter.set_result((out, step_start, step_end))
-            if not busy:  # asleep until a request arrives, waking to release the leases that ended
-                self.engine.changes.wait(seen, LEASE_POLL_S)
+                        waiter.set_result((out, frame.started, frame.ended))
+        for waiter in failed:
+            if not waiter.done():
+                waiter.set_exception(RuntimeError(frame.failed))
+
+    def _core_died(self) -> None:
+        """The engine core process is gone (its requests have failed): this worker serves nothing more."""
+        self._draining = True
+        self.engine.changes.bump()  # the load says so
+        if self.server is not None:
+            self.server.set_serving(False)
+        self.on_fatal()
 
 
 def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
-    """A prefill worker for the config's model, cache, batching and transfer settings (not started)."""
-    m = config.model
+    """A prefill worker for the config's model, cache, batching and transfer settings (not started);
+    its engine in a process of its own unless `scheduler.engine_core` is "thread"."""
     if config.transfer.transport == "local":
         raise ValueError('transfer.transport "local" needs prefill and decode in one process; use grpc or collective')
-    model, tokenizer = load_model_and_tokenizer(m)
-    eos = tokenizer.eos_token_ids
-    num_blocks = num_kv_blocks(model, config.cache)
-    grammars = for_tokenizer(tokenizer, model.arch.vocab_size, eos)
-    engine = PrefillEngine(
-        model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars
-    )
-    t = config.transfer
-    groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
+    if config.scheduler.engine_core == "process":
+        core: Core = ProcessCore.spawn(config, worker_id)
+    else:
+        core = ThreadCore(build_engine(config), senders_for(config))
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
-    wedged = config.scheduler.wedged_after_s
-    return PrefillWorker(engine, t, worker_id, groups, telemetry, config.auth, wedged)
+    return PrefillWorker(core, config.transfer, worker_id, telemetry, config.auth, config.scheduler.wedged_after_s)

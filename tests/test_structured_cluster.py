@@ -170,7 +170,7 @@ def test_under_preemption_every_kind_validates_and_equals_one_engine(tight, refe
     assert decode.engine.occupancy.preemptions > 0, "the KV budget should force preemptions"
     assert decode.engine.occupancy.free_blocks == decode.engine.occupancy.total_blocks
     deadline = time.monotonic() + 10
-    while prefill.engine.scheduler.held:  # each transfer's answer releases the prefill worker's blocks
+    while prefill.engine.engine.scheduler.held:  # each transfer's answer releases the prefill worker's blocks
         assert time.monotonic() < deadline, "the prefill worker still holds sent KV"
         time.sleep(0.05)
 
@@ -178,7 +178,7 @@ def test_under_preemption_every_kind_validates_and_equals_one_engine(tight, refe
 def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
     address, _, decodes, prefill, _ = cluster
     deadline = time.monotonic() + 30
-    while prefill.engine.scheduler.held or any(w.engine.has_unfinished for w in decodes.values()):
+    while prefill.engine.engine.scheduler.held or any(w.engine.has_unfinished for w in decodes.values()):
         assert time.monotonic() < deadline, "the cluster never went idle"
         time.sleep(0.05)
     bad = [
@@ -195,7 +195,7 @@ def test_bad_constraints_are_refused_and_nothing_is_reserved(cluster):
     for w in decodes.values():
         assert w.engine.occupancy.free_blocks == w.engine.occupancy.total_blocks
         assert w.engine.occupancy.running == w.engine.occupancy.waiting == 0
-    assert not prefill.engine.scheduler.held and not prefill.engine.scheduler.has_work
+    assert not prefill.engine.engine.scheduler.held and not prefill.engine.engine.scheduler.has_work
 
 
 def test_a_decode_worker_stopped_mid_stream_loses_nothing(cluster, reference):

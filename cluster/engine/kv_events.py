@@ -91,3 +91,19 @@ class KVJournal:
             self._log.append((block_hash, stored))
             if len(self._log) > self.max_events:
                 self._log.popleft()
+
+
+def replay(journal: KVJournal, batch: KVBatch) -> None:
+    """Applies another journal's batch to `journal`, which then holds what that one holds."""
+    if batch.snapshot:
+        for block_hash in journal.held() - set(batch.stored):
+            journal.removed(block_hash)
+        held = journal.held()
+        for block_hash in batch.stored:
+            if block_hash not in held:
+                journal.stored(block_hash)
+        return
+    for block_hash in batch.removed:
+        journal.removed(block_hash)
+    for block_hash in batch.stored:
+        journal.stored(block_hash)

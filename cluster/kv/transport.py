@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import grpc
@@ -73,6 +73,8 @@ class SendStream:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queued + 2)
         self._queue.put(header)
         self._finished = threading.Event()
+        self._on_finished: list[Callable[[SendStream], None]] = []
+        self._callbacks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, daemon=True, name=f"kv-send-{header.request_id}")
         self._thread.start()
 
@@ -100,6 +102,15 @@ class SendStream:
     @property
     def finished(self) -> bool:
         return self._finished.is_set()
+
+    def when_finished(self, callback: Callable[[SendStream], None]) -> None:
+        """Calls `callback(self)` once the receiver answered or the stream failed (at once if it has),
+        on the stream's own thread."""
+        with self._callbacks_lock:
+            if not self._finished.is_set():
+                self._on_finished.append(callback)
+                return
+        callback(self)
 
     # -- for subclasses ----------------------------------------------------------------------------
 
@@ -140,7 +151,11 @@ class SendStream:
         except Exception as e:  # a transport bug must still end the stream, loudly
             self.error, self.state = TransferError(grpc.StatusCode.INTERNAL, repr(e)), TransferState.FAILED
         finally:
-            self._finished.set()
+            with self._callbacks_lock:
+                self._finished.set()
+                callbacks, self._on_finished = self._on_finished, []
+            for callback in callbacks:
+                callback(self)
 
 
 class NullReceiver:
