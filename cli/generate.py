@@ -27,7 +27,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (--model)")
+    gen.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+        help="compute dtype (--model); auto: bfloat16 where the CPU multiplies it natively, else float32",
+    )  # fmt: skip
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(run=_generate)
 

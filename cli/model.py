@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from cluster.config import load_config
+from cluster.cpu import auto_dtype
 from cluster.model.arch import ARCHITECTURES
 from cluster.model.builder import PRESETS
 
@@ -98,7 +99,7 @@ def offline_generate(args: argparse.Namespace) -> None:
     from cluster.model.tokenizer import Tokenizer
 
     folder = model_folder(args.model)  # a .gguf file is imported once, then read from its folder
-    model = load_model(folder, args.dtype)
+    model = load_model(folder, auto_dtype("cpu")[0] if args.dtype == "auto" else args.dtype)
     tok = Tokenizer(folder)
     chat = [{"role": "user", "content": args.prompt}]
     prompt = tok.encode_chat(chat) if args.chat else tok.encode(args.prompt)

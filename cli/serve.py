@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from cli.generate import stream
 from cluster.auth import api_keys
 from cluster.config import ClusterConfig, serve_config
+from cluster.cpu import auto_dtype
 from cluster.lifeline import ClusterUnavailable, Lifeline
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args.config, args.model)
     port = args.port if args.port is not None else config.router.port
     started = time.perf_counter()
-    print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
+    print(f"starting Ray and the {config.model.served_name} pools in {dtype_note(config)} ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
     router, http, replicas, lifeline = None, None, None, None
     try:
@@ -124,7 +125,7 @@ def _control(args: argparse.Namespace) -> int:
     from cluster.pools.ray_observe import ray_view
 
     config = serve_config(args.config)
-    print(f"starting Ray and the {config.model.served_name} pools ...", file=sys.stderr)
+    print(f"starting Ray and the {config.model.served_name} pools in {dtype_note(config)} ...", file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
     lifeline = _watch_ray(cluster, config)
     try:
@@ -259,3 +260,9 @@ def _start_http(config: ClusterConfig, router: Router, address: str) -> HTTPServ
     http = HTTPServer(app, config.router.host, config.router.http_port)
     print(f"OpenAI-compatible HTTP at http://{http.start()}/v1", file=sys.stderr)
     return http
+
+
+def dtype_note(config: ClusterConfig) -> str:
+    """The model's dtype, with why `auto` picks it on this machine where it is auto's pick."""
+    picked, why = auto_dtype(config.model.device)
+    return f"{config.model.dtype} ({why})" if config.model.dtype == picked else f"{config.model.dtype} (as configured)"

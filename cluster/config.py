@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from cluster.cpu import auto_dtype
+
 
 class ConfigError(ValueError):
     """A config file that cannot be read or does not validate; the message names the field."""
@@ -29,8 +31,11 @@ class ModelConfig(_Part):
         "imported once into a folder under ~/.cache/tandem/gguf."
     )
     name: str | None = Field(default=None, description="Name clients use for the model; defaults to the folder's name.")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        default="bfloat16", description="Element type of weights, activations and the KV cache."
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Element type of weights, activations and the KV cache. auto: bfloat16 on a GPU and on a CPU "
+        "that multiplies it natively (AVX512-BF16, AMX), else float32; decided where the config is read, so every "
+        "worker of a cluster holds the same.",
     )
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the model runs.")
     max_model_len: int | None = Field(
@@ -57,6 +62,13 @@ class ModelConfig(_Part):
         "torch.compile before the worker serves, e.g. [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]; a step is padded to "
         "the next one. Seconds to minutes of start-up per bucket; empty: every step runs eager.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto_dtype(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("dtype", "auto") == "auto":
+            data = {**data, "dtype": auto_dtype(str(data.get("device", "cpu")))[0]}
+        return data
 
     @model_validator(mode="after")
     def _buckets_positive(self) -> ModelConfig:

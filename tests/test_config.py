@@ -101,3 +101,43 @@ def test_cli_config_check(tmp_path, capsys):
     bad.write_text("model: {path: m}\nscheduler: {max_num_seqs: -1}\n")
     assert main(["config", "check", str(bad)]) == 2
     assert "scheduler.max_num_seqs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "dtype"),
+    [
+        ({"avx2", "fma"}, "cpu", "float32"),  # Zen 3: bfloat16 products emulated
+        ({"avx2", "avx512f", "avx512_vnni"}, "cpu", "float32"),  # AVX-512 without its bfloat16 pair products
+        ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, "cpu", "bfloat16"),  # Zen 4
+        ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, "cpu", "bfloat16"),  # Xeon with AMX
+        ({"avx2"}, "cuda", "bfloat16"),
+        (set(), "cpu", "float32"),  # flags unreadable
+    ],
+)
+def test_auto_dtype_is_bfloat16_only_where_it_is_multiplied_natively(monkeypatch, flags, device, dtype):
+    from cli.serve import dtype_note
+    from cluster import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    config = parse_config({"model": {"path": "m", "device": device}})
+    assert config.model.dtype == dtype, "auto is the default"
+    assert parse_config({"model": {"path": "m", "device": device, "dtype": "auto"}}).model.dtype == dtype
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    assert parse_config({"model": {"path": "m", "device": device, "dtype": other}}).model.dtype == other
+    # resolved where the config is read: what the workers get is the same dtype, whatever their CPU
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512_bf16"} - flags if dtype == "float32" else set()))
+    assert ClusterConfig.model_validate_json(cfg.dump_config(config)).model.dtype == dtype
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    note = dtype_note(config)
+    assert note.startswith(dtype) and ("natively" in note if dtype == "bfloat16" else "no native" in note)
+    assert dtype_note(parse_config({"model": {"path": "m", "device": device, "dtype": other}})).endswith(
+        "(as configured)"
+    )
+
+
+def test_this_machines_flags_name_its_kind():
+    from cluster.cpu import cpu_flags, cpu_kind
+
+    flags = cpu_flags()
+    assert flags, "/proc/cpuinfo lists the CPU's flags"
+    assert ("AVX-512" in cpu_kind()) == ("avx512f" in flags) and ("avx2" in flags or "neither" in cpu_kind())
