@@ -262,8 +262,7 @@ def main() -> None:
 
     import functools
 
-    from serving_path import cpu_kind
-
+    from cluster.cpu import cpu_kind
     from decode_worker import service as decode_service
     from decode_worker.core import ProcessCore
 

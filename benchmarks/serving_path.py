@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from router_scale_cluster import bench_requests, cluster_config, drive, engine_alone  # noqa: E402
 
+from cluster.cpu import cpu_kind  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 CLK = os.sysconf("SC_CLK_TCK")
 # --model: (folder, dtype, results' name)
@@ -38,15 +40,6 @@ MODELS = {
     "demo": (ROOT / "models" / "tandem-demo-code", "float32", "serving_path"),
     "smollm2": (ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct", "bfloat16", "serving_path_smollm2"),
 }
-
-
-def cpu_kind() -> str:
-    """Which kernels this CPU gets (docs: every figure says which kind measured it)."""
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = set(next(line for line in info if line.startswith("flags")).split())
-    if {"avx512f", "avx512_vnni", "avx512_bf16"} <= flags:
-        return "AVX-512 with VNNI and BF16"
-    return "AVX2" if "avx2" in flags else "neither AVX2 nor AVX-512"
 
 
 def cpu_s(pid: int) -> float:

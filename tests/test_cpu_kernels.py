@@ -25,15 +25,15 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 
 @pytest.fixture(autouse=True)
 def kernels_in_use(monkeypatch):
-    """The model routes through the kernels here whatever the CPU (without AVX-512 it uses torch's
-    faster kernels), so their plain-loop paths are checked on such CPUs too."""
-    monkeypatch.setitem(cpu_kernels._state, "avx512", True)
+    """The model routes through the kernels here whatever they were built for (with neither AVX2 nor
+    AVX-512 it uses torch's faster kernels), so their plain-loop paths are checked too."""
+    monkeypatch.setitem(cpu_kernels._state, "vector", True)
 
 
-def test_the_model_uses_the_kernels_only_on_avx512_cpus(monkeypatch):
-    monkeypatch.setitem(cpu_kernels._state, "avx512", False)
+def test_the_model_uses_the_kernels_only_where_they_have_vector_paths(monkeypatch):
+    monkeypatch.setitem(cpu_kernels._state, "vector", False)
     assert cpu_kernels.available() and not cpu_kernels.used()
-    monkeypatch.setitem(cpu_kernels._state, "avx512", True)
+    monkeypatch.setitem(cpu_kernels._state, "vector", True)
     assert cpu_kernels.used()
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)
     assert not cpu_kernels.used(), "never when they are not built"

@@ -11,9 +11,13 @@
   under `torch.compile`, spend most of their time on per-element index arithmetic).
 
 The sources are compiled with the machine's own C++ compiler through `torch.utils.cpp_extension`,
-once per source version (cached under `TORCH_EXTENSIONS_DIR`, by default
-`~/.cache/torch_extensions`), for the CPU it runs on. Where they cannot be built (no compiler,
-`TANDEM_CPU_KERNELS=0`) callers keep torch's paths; the outputs agree to float32 rounding.
+once per source version and instruction set (cached under `TORCH_EXTENSIONS_DIR`, by default
+`~/.cache/torch_extensions`). The instruction set is chosen at run time by the CPU's flags, never by
+where the kernels were built (`VARIANTS`): AVX-512 with AVX512-BF16 pair products, AVX-512
+without, or AVX2 with FMA and F16C, whose vector paths are eight lanes wide where AVX-512's are
+sixteen. `TANDEM_CPU_KERNELS` names one (tests run each path the CPU can), or `0` for none. Where
+they cannot be built (no compiler, a CPU with neither) callers keep torch's paths; the outputs
+agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -31,7 +35,43 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "skinny_linear.cpp"]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "avx512": the CPU has AVX-512F
+_state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "vector": the build has vector paths
+
+# Instruction sets the kernels are built for, best first: the CPU flags each needs, and the compiler's.
+VARIANTS = {
+    "avx512_bf16": (
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+    ),
+    "avx512": (
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    ),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+}
+
+
+def supported() -> list[str]:
+    """The variants this CPU runs, best first."""
+    from cluster.cpu import cpu_flags
+
+    return [name for name, (needs, _) in VARIANTS.items() if needs <= cpu_flags()]
+
+
+def variant() -> str | None:
+    """The instruction set the kernels are built for here: `TANDEM_CPU_KERNELS` if it names one this
+    CPU runs, else the best it runs; None for `TANDEM_CPU_KERNELS=0` or a CPU with none of them
+    (their plain loops, which torch's kernels outrun, are kept for tests: "portable")."""
+    chosen = os.environ.get("TANDEM_CPU_KERNELS", "auto")
+    if chosen == "0":
+        return None
+    if chosen == "portable":
+        return "portable"
+    runs = supported()
+    if chosen not in ("auto", *runs):
+        known = ", ".join([*VARIANTS, "portable", "0"])
+        raise ValueError(f"TANDEM_CPU_KERNELS={chosen!r}: this CPU runs {runs or 'none of them'} (known: {known})")
+    return chosen if chosen != "auto" else (runs[0] if runs else "portable")
 
 
 def available() -> bool:
@@ -45,26 +85,29 @@ def available() -> bool:
 
 
 def used() -> bool:
-    """Whether the model routes through the kernels: built, on a CPU with AVX-512. Elsewhere their
-    plain loops (kept so they build and agree everywhere) are several times slower than torch's
-    kernels, so the model uses torch's."""
-    if "avx512" not in _state:
-        _state["avx512"] = "AVX512" in torch.backends.cpu.get_cpu_capability()
-    return _state["avx512"] and available()
+    """Whether the model routes through the kernels: built with vector paths (AVX2 or AVX-512).
+    Their plain loops alone (kept so they build and agree everywhere) are several times slower than
+    torch's kernels, so on a CPU with neither the model uses torch's."""
+    if "vector" not in _state:
+        _state["vector"] = variant() not in (None, "portable")
+    return _state["vector"] and available()
 
 
 def _load() -> bool:
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+    name = variant()
+    if name is None:
         return False
+    flags = VARIANTS[name][1] if name in VARIANTS else []
     try:
         from torch.utils import cpp_extension
 
-        _clear_stale_lock(Path(cpp_extension._get_build_directory("tandem_cpu_kernels", verbose=False)))
+        library = f"tandem_cpu_kernels_{name}"
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(library, verbose=False)))
         cpp_extension.load(
-            name="tandem_cpu_kernels",
+            name=library,
             sources=[str(p) for p in _SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-mtune=native", *flags, "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

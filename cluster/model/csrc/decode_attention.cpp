@@ -4,8 +4,9 @@
 // to keep every thread busy). It reads each admitted position's keys, for all KV heads at once, in
 // place through the block table, scores every query head against them, then sums the values with
 // the softmax weights; rows are converted to float32 in registers and nothing is gathered into a
-// copy of the cache. bfloat16 keys are scored by AVX512-BF16 pair products on the raw rows. Values
-// of 16-bit and int8 caches are summed sixteen positions at a time, one KV head after another, into
+// copy of the cache (vectors of sixteen lanes on AVX-512, eight on AVX2; `vec.h`). bfloat16 keys are
+// scored by AVX512-BF16 pair products on the raw rows where the CPU has them. Values of 16-bit and
+// int8 caches are summed sixteen positions at a time, one KV head after another, into
 // accumulators kept in registers (float32 values, bound by reading them, go in cache order). The
 // parts of a sequence are merged afterwards (split-context decoding). An int8 cache row holds
 // head_dim int8 values followed by its float32 scale (`cluster/attention.py`).
@@ -37,15 +38,14 @@ using tandem::PlainRows;
 using tandem::prefetch_row;
 using tandem::widen;
 using tandem::with_count;
-#if defined(__AVX512F__)
-using tandem::exp16_nonpositive;
-using tandem::load16;
+#if defined(TANDEM_SIMD)
+using namespace tandem::simd;
 #endif
 
 constexpr int64_t kMaxParts = 64;  // context parts of one sequence
 
-#if defined(__AVX512F__)
-constexpr int64_t kMaxVectorDim = 256;  // head_dim of the vector paths: rows of up to 16 vectors
+#if defined(TANDEM_SIMD)
+constexpr int64_t kMaxVectorDim = 256;  // head_dim of the vector paths
 #endif
 
 #if defined(__AVX512BF16__)
@@ -130,21 +130,21 @@ void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, in
     }
   }
 #endif
-#if defined(__AVX512F__)
-  if (dim % 16 == 0 && dim <= kMaxVectorDim) {
-    const int64_t chunks = dim / 16, position_bytes = kv_heads * keys.stride_bytes();
-    __m512 k[kMaxVectorDim / 16];
+#if defined(TANDEM_SIMD)
+  if (dim % kLanes == 0 && dim <= kMaxVectorDim) {
+    const int64_t chunks = dim / kLanes, position_bytes = kv_heads * keys.stride_bytes();
+    vfloat k[kMaxVectorDim / kLanes];
     for (int64_t i = 0; i < n; ++i) {
       if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
       for (int64_t h = 0; h < kv_heads; ++h) {
         const auto* r = keys.row(rows[i] + h);
-        for (int64_t c = 0; c < chunks; ++c) k[c] = load16(r + 16 * c);
+        for (int64_t c = 0; c < chunks; ++c) k[c] = vload(r + kLanes * c);
         const float row_scale = keys.scale(rows[i] + h) * scale;
         for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
           const float* qv = qf + qh * dim;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qv), k[0]);
-          for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + 16 * c), k[c], a);
-          scores[qh * stride + i] = _mm512_reduce_add_ps(a) * row_scale;
+          vfloat a = vmul(vload(qv), k[0]);
+          for (int64_t c = 1; c < chunks; ++c) a = vfmadd(vload(qv + kLanes * c), k[c], a);
+          scores[qh * stride + i] = vsum(a) * row_scale;
         }
       }
     }
@@ -163,9 +163,9 @@ void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, in
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(TANDEM_SIMD)
 constexpr int64_t kValueTile = 16;  // positions whose values are summed with the accumulators in registers
-constexpr int kAccumulators = 16;    // vector registers those accumulators may take
+constexpr int kAccumulators = kLanes;  // vector registers those accumulators may take (of 32 zmm, or 16 ymm)
 
 // acc[qh] += probs[qh * stride + i] * value row of position i, for the query heads [qh0, qh0 + Heads)
 // of KV head h over positions [i0, i1): the accumulators stay in registers across the positions.
@@ -173,26 +173,26 @@ constexpr int kAccumulators = 16;    // vector registers those accumulators may 
 template <int Heads, int Chunks, typename Rows>
 inline void accumulate_heads(const Rows& values, const int64_t* rows, int64_t i0, int64_t i1, const float* probs,
                              int64_t stride, int64_t h, int64_t qh0, float* acc, int64_t ahead, int64_t n) {
-  constexpr int64_t dim = 16 * Chunks;
-  __m512 a[Heads][Chunks];
+  constexpr int64_t dim = kLanes * Chunks;
+  vfloat a[Heads][Chunks];
   for (int g = 0; g < Heads; ++g)
-    for (int c = 0; c < Chunks; ++c) a[g][c] = _mm512_loadu_ps(acc + (qh0 + g) * dim + 16 * c);
+    for (int c = 0; c < Chunks; ++c) a[g][c] = vload(acc + (qh0 + g) * dim + kLanes * c);
   for (int64_t i = i0; i < i1; ++i) {
     if (ahead > 0 && i + ahead < n) prefetch_row(values, rows[i + ahead] + h, values.stride_bytes());
     const auto* r = values.row(rows[i] + h);
     const float row_scale = values.scale(rows[i] + h);
-    __m512 v[Chunks];
-    for (int c = 0; c < Chunks; ++c) v[c] = load16(r + 16 * c);
+    vfloat v[Chunks];
+    for (int c = 0; c < Chunks; ++c) v[c] = vload(r + kLanes * c);
     for (int g = 0; g < Heads; ++g) {
-      const __m512 w = _mm512_set1_ps(probs[(qh0 + g) * stride + i] * row_scale);
-      for (int c = 0; c < Chunks; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+      const vfloat w = vset1(probs[(qh0 + g) * stride + i] * row_scale);
+      for (int c = 0; c < Chunks; ++c) a[g][c] = vfmadd(w, v[c], a[g][c]);
     }
   }
   for (int g = 0; g < Heads; ++g)
-    for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(acc + (qh0 + g) * dim + 16 * c, a[g][c]);
+    for (int c = 0; c < Chunks; ++c) vstore(acc + (qh0 + g) * dim + kLanes * c, a[g][c]);
 }
 
-// `accumulate` for head_dim 16 * Chunks. A tile of positions at a time (one stretch of the cache,
+// `accumulate` for head_dim kLanes * Chunks. A tile of positions at a time (one stretch of the cache,
 // the next tile's rows asked for ahead), each KV head's query heads a few at a time.
 template <int Chunks, typename Rows>
 void accumulate_tiled(const Rows& values, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
@@ -217,29 +217,28 @@ void accumulate_tiled(const Rows& values, const int64_t* rows, int64_t n, const 
 template <typename Rows>
 void accumulate(const Rows& values, const int64_t* rows, int64_t n, const float* probs, int64_t stride,
                 int64_t kv_heads, int64_t groups, int64_t dim, float* acc) {
-#if defined(__AVX512F__)
+#if defined(TANDEM_SIMD)
   // float32 values are bound by reading them, and read fastest in cache order, every head at once.
   if constexpr (!std::is_same_v<Rows, PlainRows<float>>) {
     switch (dim) {
-      case 64: return accumulate_tiled<4>(values, rows, n, probs, stride, kv_heads, groups, acc);
-      case 128: return accumulate_tiled<8>(values, rows, n, probs, stride, kv_heads, groups, acc);
-      case 256: return accumulate_tiled<16>(values, rows, n, probs, stride, kv_heads, groups, acc);
+      case 64: return accumulate_tiled<64 / kLanes>(values, rows, n, probs, stride, kv_heads, groups, acc);
+      case 128: return accumulate_tiled<128 / kLanes>(values, rows, n, probs, stride, kv_heads, groups, acc);
+      case 256: return accumulate_tiled<256 / kLanes>(values, rows, n, probs, stride, kv_heads, groups, acc);
     }
   }
-  if (dim % 16 == 0 && dim <= kMaxVectorDim) {
-    const int64_t chunks = dim / 16, position_bytes = kv_heads * values.stride_bytes();
-    __m512 v[kMaxVectorDim / 16];
+  if (dim % kLanes == 0 && dim <= kMaxVectorDim) {
+    const int64_t chunks = dim / kLanes, position_bytes = kv_heads * values.stride_bytes();
+    vfloat v[kMaxVectorDim / kLanes];
     for (int64_t i = 0; i < n; ++i) {
       if (i + kPrefetchAhead < n) prefetch_row(values, rows[i + kPrefetchAhead], position_bytes);
       for (int64_t h = 0; h < kv_heads; ++h) {
         const auto* r = values.row(rows[i] + h);
-        for (int64_t c = 0; c < chunks; ++c) v[c] = load16(r + 16 * c);
+        for (int64_t c = 0; c < chunks; ++c) v[c] = vload(r + kLanes * c);
         const float row_scale = values.scale(rows[i] + h);
         for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
-          const __m512 w = _mm512_set1_ps(probs[qh * stride + i] * row_scale);
+          const vfloat w = vset1(probs[qh * stride + i] * row_scale);
           float* a = acc + qh * dim;
-          for (int64_t c = 0; c < chunks; ++c)
-            _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+          for (int64_t c = 0; c < chunks; ++c) vstore(a + kLanes * c, vfmadd(w, v[c], vload(a + kLanes * c)));
         }
       }
     }
@@ -263,19 +262,19 @@ inline void exponentiate(float* scores, int64_t n, float* top, float* sum) {
   float t = -std::numeric_limits<float>::infinity();
   float total = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vt = _mm512_set1_ps(t);
-  for (; i + 16 <= n; i += 16) vt = _mm512_max_ps(vt, _mm512_loadu_ps(scores + i));
-  t = _mm512_reduce_max_ps(vt);
+#if defined(TANDEM_SIMD)
+  vfloat vt = vset1(t);
+  for (; i + kLanes <= n; i += kLanes) vt = vmax(vt, vload(scores + i));
+  t = vmaxval(vt);
   for (int64_t j = i; j < n; ++j) t = std::max(t, scores[j]);
-  const __m512 top16 = _mm512_set1_ps(t);
-  __m512 vsum = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + i), top16));
-    _mm512_storeu_ps(scores + i, e);
-    vsum = _mm512_add_ps(vsum, e);
+  const vfloat tops = vset1(t);
+  vfloat sums = vzero();
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    const vfloat e = vexp_nonpositive(vsub(vload(scores + i), tops));
+    vstore(scores + i, e);
+    sums = vadd(sums, e);
   }
-  total = _mm512_reduce_add_ps(vsum);
+  total = vsum(sums);
 #else
   for (int64_t j = 0; j < n; ++j) t = std::max(t, scores[j]);
 #endif

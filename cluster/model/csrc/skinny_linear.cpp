@@ -24,8 +24,8 @@
 namespace {
 
 using tandem::widen;
-#if defined(__AVX512F__)
-using tandem::load16;
+#if defined(TANDEM_SIMD)
+using namespace tandem::simd;
 #endif
 
 constexpr int64_t kMaxRows = 64;
@@ -52,18 +52,18 @@ inline void prefetch_first(const void* p, int64_t bytes) {
 // accumulated in float32, stored in the weights' dtype.
 template <int Rows, typename W>
 void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, W* y, int64_t ldy) {
-#if defined(__AVX512F__)
-  if (k % 16 == 0) {
+#if defined(TANDEM_SIMD)
+  if (k % kLanes == 0) {
     for (int64_t n = n0; n < n1; ++n) {
       const W* row = w + n * k;
-      __m512 acc[Rows];
-      for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < k; c += 16) {
-        if (sizeof(W) == 4 || c % 32 == 0) prefetch_ahead(row + c);  // one hint per 64-byte line
-        const __m512 wv = load16(row + c);
-        for (int m = 0; m < Rows; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + c), wv, acc[m]);
+      vfloat acc[Rows];
+      for (int m = 0; m < Rows; ++m) acc[m] = vzero();
+      for (int64_t c = 0; c < k; c += kLanes) {
+        if ((c * sizeof(W)) % 64 == 0) prefetch_ahead(row + c);  // one hint per 64-byte line
+        const vfloat wv = vload(row + c);
+        for (int m = 0; m < Rows; ++m) acc[m] = vfmadd(vload(x + m * k + c), wv, acc[m]);
       }
-      for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<W>(_mm512_reduce_add_ps(acc[m]));
+      for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<W>(vsum(acc[m]));
     }
     return;
   }

@@ -1,5 +1,9 @@
-// Shared by the CPU kernels: element loads (one, or sixteen at once, as float32), exp for a softmax,
+// Shared by the CPU kernels: element loads (one, or a vector at once, as float32), exp for a softmax,
 // and a dispatch on small counts.
+//
+// The vector paths are written once against `tandem::simd`: float32 vectors of `kLanes` lanes,
+// sixteen where the kernels are built for AVX-512, eight where they are built for AVX2 (with FMA
+// and F16C). `TANDEM_SIMD` is defined where either is; elsewhere the kernels' plain loops run.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -11,7 +15,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -84,6 +88,77 @@ inline __m512 exp16_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define TANDEM_SIMD 1
+namespace simd {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+template <typename T>
+inline vfloat vload(const T* p) { return load16(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+inline float vmaxval(vfloat v) { return _mm512_reduce_max_ps(v); }
+inline vfloat vexp_nonpositive(vfloat x) { return exp16_nonpositive(x); }
+#else
+constexpr int kLanes = 8;
+using vfloat = __m256;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vload(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vfloat vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vfloat vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline float vsum(vfloat v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vmaxval(vfloat v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// exp16_nonpositive on eight lanes: 2^n applied through the exponent bits (n >= -126 here, since
+// x >= -87, so 2^n stays a normal number).
+inline vfloat vexp_nonpositive(vfloat x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+}  // namespace simd
 #endif
 
 }  // namespace tandem
