@@ -48,6 +48,26 @@ def test_quantised_linears_compute_with_their_own_weights(dtype):
     assert (w4 - linear.weight.float()).abs().max() <= s4.max() * 0.51
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_run_dense_on_the_same_weights_as_the_kernel(dtype, monkeypatch):
+    """A prompt's chunk dequantises the weights once and runs the dense product: the same weights as
+    the weight-only kernel reads (exactly in float32; within bfloat16's rounding of each weight)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True).to(dtype)
+    x = torch.randn(300, 256, dtype=dtype)
+    for q in (Int8Linear.from_linear(linear), Int4Linear.from_linear(linear, group_size=64)):
+        assert len(x) >= q.dense_from_rows > 1
+        w = q.dense()
+        assert w.dtype == dtype and w.shape == (96, 256)
+        dense = q(x)  # dense: as many rows as a prompt's chunk
+        monkeypatch.setattr(type(q), "dense_from_rows", len(x) + 1)
+        kernel = q(x)  # the weight-only kernel, the same rows
+        monkeypatch.undo()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(dense.float(), kernel.float(), rtol=tol, atol=tol), type(q).__name__
+        assert torch.allclose(dense.float(), x.float() @ w.float().T + linear.bias.float(), rtol=tol, atol=tol)
+
+
 @pytest.fixture(scope="module")
 def demo():
     tok = Tokenizer(DEMO)
