@@ -56,6 +56,9 @@ class FakeTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(f"t{i} " for i in ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return f"t{token_id} ".encode()
+
 
 class FakeCache:
     """A prefix cache of `capacity` blocks, least recently used evicted first, that tells a

@@ -128,6 +128,32 @@ def test_chat_streamed_equals_whole_with_usage_n_and_logprobs(served):
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
 
 
+def test_logprobs_name_each_token_by_its_text_and_bytes_whole_and_streamed(served):
+    """OpenAI's logprobs: each token's text (they join to the choice's text), its UTF-8 bytes (they
+    decode to it), its alternatives by text; a completion's text offsets."""
+    base, _, _, _ = served
+    api = client(base)
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    args = {"model": "tandem-demo-code", "max_tokens": 16, "temperature": 0}
+    whole = api.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, **args)
+    content = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode() == whole.choices[0].message.content
+    assert all(e.top_logprobs[0].token == e.token for e in content), "greedy: the best alternative is the token"
+    assert all(bytes(t.bytes).decode(errors="replace") == t.token for e in content for t in e.top_logprobs)
+    streamed = [c for c in api.chat.completions.create(messages=messages, logprobs=True, stream=True, **args)
+                if c.choices and c.choices[0].logprobs]  # fmt: skip
+    assert [e.token for c in streamed for e in c.choices[0].logprobs.content] == [e.token for e in content]
+    done = api.completions.create(prompt="def add(a, b):", logprobs=2, **args)
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text and len(lp.tokens) == 16
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(16)]
+    assert all(top and max(top, key=top.get) == token for top, token in zip(lp.top_logprobs, lp.tokens, strict=True))
+    chunks = list(api.completions.create(prompt="def add(a, b):", logprobs=2, stream=True, **args))
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
 def test_errors_have_openais_shape_and_status(served):
     base, _, _, _ = served
     with pytest.raises(openai.BadRequestError) as bad:

@@ -143,3 +143,31 @@ def test_a_resume_needs_the_streams_id_and_tokens_that_leave_something_to_do(res
     assert e.value.field == field
     ok = request(text="a", sampling=api_pb2.SamplingParams(max_tokens=3), resume=api_pb2.Resume(request_id="r"))
     assert validate(ok, LIMITS, Words())[1].max_tokens == 3
+
+
+def test_logprob_entries_carry_the_text_each_token_completes_and_its_bytes():
+    """A character split across tokens goes with the token that ends it: the entries' texts join to
+    the decoded text, their bytes to its UTF-8, however the tokens come in messages."""
+    from pathlib import Path
+
+    from cluster.model.tokenizer import Tokenizer
+    from cluster.slo import Targets
+    from router.service.stream import Stream
+
+    tok = Tokenizer(Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code")
+    text = 'print("héllo, 日本語 ✓")'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.token_bytes(i) and not tok.token_bytes(i).decode(errors="ignore") for i in ids), "a split character"
+    stream = Stream("r", [1, 2], 0.0, Targets(1.0, 1.0), token_bytes=tok.token_bytes)
+    entries = []
+    for start in range(0, len(ids), 3):  # three tokens a message
+        part = ids[start : start + 3]
+        msg = worker_pb2.WorkerTokens(token_ids=part, text=tok.decode(ids[: start + 3])[len(tok.decode(ids[:start])) :])
+        msg.logprobs.extend(api_pb2.TokenLogprob(token_id=i, logprob=-0.5, top=[api_pb2.TopLogprob(token_id=i)])
+                            for i in part)  # fmt: skip
+        out = api_pb2.GenerateResponse.FromString(stream.response(msg))
+        assert len(out.logprobs) == len(part), "rewritten, not appended"
+        entries += out.logprobs
+    assert "".join(e.token for e in entries) == text == tok.decode(ids)
+    assert b"".join(e.token_bytes for e in entries) == text.encode()
+    assert all(e.top[0].token_bytes == e.token_bytes for e in entries)

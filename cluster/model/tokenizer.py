@@ -2,6 +2,10 @@
 (`chat_template.jinja`, else `tokenizer_config.json`'s, a string or a list of named templates), the
 special tokens of `tokenizer_config.json`, and the stop tokens of `generation_config.json`.
 
+Each token's bytes in the text (`token_bytes`) come from the vocabulary: a byte-level BPE token's
+characters stand for bytes (GPT-2's table), a SentencePiece one's `▁` for a space and `<0xNN>` for a
+byte, and a special token stands for nothing (decoding skips it).
+
 Chats are applied as transformers applies them: the template is rendered in a sandbox with the same
 globals and filters, then the text is encoded without adding special tokens again (the template
 writes its own BOS; the tokenizer's post-processor must not add a second one).
@@ -9,7 +13,9 @@ writes its own BOS; the tokenizer's post-processor must not add a second one).
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +53,7 @@ class Tokenizer:
         self._special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
         self.eos_token_ids = self._eos_ids(_read_json(folder / "generation_config.json"))
         self._template: jinja2.Template | None = None
+        self._bytes: list[bytes] | None = None  # each token's bytes, built on first use
 
     @property
     def vocab_size(self) -> int:
@@ -57,6 +64,29 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for in the text (b"" for a special token or an id
+        outside the vocabulary): a stream's tokens' bytes join to its text's UTF-8."""
+        if self._bytes is None:
+            self._bytes = self._byte_table()
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def _byte_table(self) -> list[bytes]:
+        table = [b""] * self.vocab_size
+        added = self._tok.get_added_tokens_decoder()
+        byte_level = "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        for text, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i in added:
+                table[i] = b"" if added[i].special else text.encode()
+            elif byte_level and all(c in to_byte for c in text):
+                table[i] = bytes(to_byte[c] for c in text)
+            elif match := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text):
+                table[i] = bytes([int(match[1], 16)])
+            else:
+                table[i] = text.replace("\u2581", " ").encode()
+        return table
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json holds it (for the structured-output matcher)."""
@@ -163,3 +193,16 @@ def _token_text(token: Any) -> str | None:
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character a byte-level BPE vocabulary
+    writes it with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

@@ -139,7 +139,10 @@ COMPLETIONS = {
     "prompt": honoured("a string, or a list of token ids (or a list of one of either); one prompt per request"),
     **OPENAI,
     "max_tokens": honoured("at least 1; 16 when unset"),
-    "logprobs": honoured("the sampled token's and this many top log-probabilities, tokens by id"),
+    "logprobs": honoured(
+        "the sampled token's and this many top log-probabilities: each token's text (the tokens' texts join to "
+        "the choice's), its alternatives' by text, and each token's character offset"
+    ),
     "echo": honoured("the prompt's text leads the choice's (not with logprobs)"),
     "best_of": refused("server-side best-of is not supported; ask for n choices, or num_beams", 1),
     "suffix": refused("insertion (suffix) is not supported", ""),
@@ -154,7 +157,9 @@ CHAT = {
     **OPENAI,
     "max_completion_tokens": honoured("at least 1; up to the context window when unset"),
     "max_tokens": honoured("max_completion_tokens' older name"),
-    "logprobs": honoured("true: the sampled tokens' log-probabilities, tokens by id"),
+    "logprobs": honoured(
+        "true: the sampled tokens' log-probabilities, each with its text (they join to the content) and UTF-8 bytes"
+    ),
     "top_logprobs": honoured("with logprobs: true, this many alternatives per token"),
     "response_format": honoured(RESPONSE_FORMAT),
     "tools": honoured(TOOLS),

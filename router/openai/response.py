@@ -58,23 +58,31 @@ async def _rest(call, first) -> AsyncIterator[api_pb2.GenerateResponse]:  # type
         m = await call.read()
 
 
-def _logprobs(messages: list[api_pb2.GenerateResponse], chat: bool) -> dict[str, Any] | None:
+def _logprobs(messages: list[api_pb2.GenerateResponse], chat: bool, offset: int = 0) -> dict[str, Any] | None:
+    """The messages' log-probabilities as OpenAI writes them: each token's text and UTF-8 bytes, its
+    alternatives'; a completion's also each token's character offset in the choice's text, from
+    `offset` (the echoed prompt's length, or what earlier chunks carried)."""
     entries = [lp for m in messages for lp in m.logprobs]
     if not entries:
         return None
     if chat:
         return {
             "content": [
-                {"token": str(lp.token_id), "logprob": lp.logprob,
-                 "top_logprobs": [{"token": str(t.token_id), "logprob": t.logprob} for t in lp.top]}
+                {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
+                 "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
+                                  for t in lp.top]}
                 for lp in entries
             ]
         }  # fmt: skip
+    offsets = []
+    for lp in entries:
+        offsets.append(offset)
+        offset += len(lp.token)
     return {
-        "tokens": [str(lp.token_id) for lp in entries],
+        "tokens": [lp.token for lp in entries],
         "token_logprobs": [lp.logprob for lp in entries],
-        "top_logprobs": [{str(t.token_id): t.logprob for t in lp.top} for lp in entries],
-        "text_offset": [],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in entries],
+        "text_offset": offsets,
     }
 
 
@@ -86,8 +94,9 @@ async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignor
         text = reply.echoes[index] + "".join(m.text for m in messages)
         last = messages[-1] if messages else api_pb2.GenerateResponse()
         usages.append(last.usage)
+        logprobs = _logprobs(messages, chat, len(reply.echoes[index]))
         choice: dict[str, Any] = {"index": index, "finish_reason": FINISH.get(last.finish_reason, "stop"),
-                                  "logprobs": _logprobs(messages, chat)}  # fmt: skip
+                                  "logprobs": logprobs}  # fmt: skip
         if chat and reply.plan.tools is not None:
             content, tool_calls = parse(text, reply.plan.tools.parallel)
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -145,6 +154,7 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
     prompt = getattr(firsts[0], "prompt_tokens", 0)
     done, final = [0] * len(calls), [api_pb2.Usage() for _ in calls]  # completion tokens so far; last usages
     started = [False] * len(calls)
+    offsets = [len(echo) for echo in reply.echoes]  # each completion choice's text so far, for text_offset
     tools = plan.tools if plan.chat else None
     readers = [ToolStream(tools.parallel) for _ in calls] if tools is not None else []
     tasks = [asyncio.create_task(pump(i)) for i in range(len(calls))]
@@ -169,7 +179,8 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
                 continue
             finish = FINISH.get(m.finish_reason) if m.finish_reason else None
             choice = _choice(reply, index, m.text, finish, first=not started[index])
-            choice["logprobs"], started[index] = _logprobs([m], plan.chat), True
+            choice["logprobs"], started[index] = _logprobs([m], plan.chat, offsets[index]), True
+            offsets[index] += sum(len(lp.token) for lp in m.logprobs)
             yield event([choice])
         if plan.include_usage:
             whole = usage(prompt, sum(done), final[0].cached_prompt_tokens)

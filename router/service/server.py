@@ -215,6 +215,8 @@ class Router(worker_pb2_grpc.AdminServicer):
             self._in_flight += 1
             admitted = True
             stream = Stream(rid, prompt, received, self._targets(request))
+            if params.logprobs is not None:
+                stream.token_bytes = self.tokenizer.token_bytes
             if request.HasField("resume"):  # a stream whose router died: a migration with its tokens
                 stream.rid = request.resume.request_id
                 stream.resumed(request.resume, self.tokenizer.decode)

@@ -10,6 +10,7 @@ worker's first token sent ahead of the decode worker's (`watch_prefill`, `early_
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import time
 from collections.abc import Callable
@@ -155,18 +156,27 @@ class Stream:
     timing: RequestTiming | None = None
     speculation: api_pb2.SpeculationStats | None = None
     prompt_text: str = ""  # the prompt decoded, for a client that asked for it (return_prompt_text)
+    token_bytes: Callable[[int], bytes] | None = None  # the tokenizer's: each logprob entry's text and bytes
+    # The stream's bytes decoded as its tokens come: each logprob entry's text is what its token completes.
+    utf8: codecs.IncrementalDecoder = dataclasses.field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
 
     def response(self, msg: worker_pb2.WorkerTokens) -> bytes:
         """The client's message for a worker's `WorkerTokens`: its bytes, whose shared fields are
         GenerateResponse's, with what the router adds appended (a later field wins, repeated ones
         extend): the request id, the first message's prompt length (and text, when asked for),
-        held-back text after a migration, the last one's usage and SLO."""
+        held-back text after a migration, the last one's usage and SLO. Logprob entries are
+        rewritten with their tokens' text and bytes."""
         first = not self.chunks
         if msg.token_ids or first:
             self.chunks.append((time.time(), len(msg.token_ids)))
         self.generated += msg.token_ids
         self.sent.append(self.carry + msg.text)
         out = api_pb2.GenerateResponse(request_id=self.rid)
+        if msg.logprobs and self.token_bytes is not None:
+            out.logprobs.extend(self._with_text(lp) for lp in msg.logprobs)
+            del msg.logprobs[:]
         if self.carry:
             out.text, self.carry = self.carry + msg.text, ""
         if first:
@@ -184,6 +194,17 @@ class Stream:
             self.speculation = msg.speculation if msg.HasField("speculation") else None
             self.status, self.finish_reason = "ok", msg.finish_reason
         return msg.SerializeToString() + out.SerializeToString()
+
+    def _with_text(self, lp: api_pb2.TokenLogprob) -> api_pb2.TokenLogprob:
+        assert self.token_bytes is not None
+        raw = self.token_bytes(lp.token_id)
+        entry = api_pb2.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, token=self.utf8.decode(raw), token_bytes=raw
+        )
+        for top in lp.top:
+            b = self.token_bytes(top.token_id)
+            entry.top.add(token_id=top.token_id, logprob=top.logprob, token=b.decode(errors="replace"), token_bytes=b)
+        return entry
 
     def resumed(self, resume: api_pb2.Resume, decode: Callable[[list[int]], str]) -> None:
         """A stream resumed through this router: the client has these tokens and this text already."""

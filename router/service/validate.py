@@ -37,6 +37,8 @@ class PromptTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
 
 @dataclass(frozen=True)
 class Limits:
