@@ -154,6 +154,35 @@ def test_logprobs_name_each_token_by_its_text_and_bytes_whole_and_streamed(serve
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
 
 
+def test_a_batch_of_prompts_gets_its_choices_in_order_with_usage_summed(served):
+    """Each prompt of a completions batch is its own request: choice p * n + j is prompt p's j-th,
+    whole or streamed, each equal to the prompt sent alone; usage counts each prompt once. (The
+    router here admits 4 requests at a time: a batch of 2 prompts with n=2 fills it.)"""
+    base, _, _, _ = served
+    api = client(base)
+    prompts = ["def add(a, b):", [481, 795, 10, 67]]
+    args = {"model": "tandem-demo-code", "max_tokens": 6, "temperature": 0}
+    alone = [api.completions.create(prompt=p, **args) for p in prompts]
+    batch = api.completions.create(prompt=prompts, n=2, **args)
+    assert [c.index for c in batch.choices] == list(range(4))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 4 * 6
+    chunks = list(api.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                         **args))  # fmt: skip
+    texts = ["" for _ in range(4)]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in batch.choices]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (batch.usage.prompt_tokens, 24)
+    three = ["def add(a, b):", "import os\n", "class A:"]
+    echoed = api.completions.create(prompt=three, echo=True, **args)
+    assert [c.text for c in echoed.choices] == [
+        p + api.completions.create(prompt=p, **args).choices[0].text for p in three
+    ]
+
+
 def test_errors_have_openais_shape_and_status(served):
     base, _, _, _ = served
     with pytest.raises(openai.BadRequestError) as bad:

@@ -202,7 +202,9 @@ def test_values_are_checked_and_named():
         ({"echo": "yes"}, "echo"),
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt"),  # neither one prompt nor a batch of them
+        ({"prompt": ["a", []]}, "prompt[1]"),
+        ({"prompt": ["a"] * 65}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"early_stopping": "soon"}, "early_stopping"),
     ]
@@ -225,7 +227,7 @@ def test_values_are_checked_and_named():
 
 def test_echo_asks_the_router_for_a_token_prompts_text_only():
     text = completion_plan({**base_body("/v1/completions"), "echo": True})
-    assert text.echo and text.prompt_text == "def add(a, b):" and not text.request.return_prompt_text
+    assert text.echo and text.prompt_texts == ("def add(a, b):",) and not text.request.return_prompt_text
     ids = completion_plan({**base_body("/v1/completions"), "prompt": [[1, 2, 3]], "echo": True})
-    assert ids.echo and ids.prompt_text is None and ids.request.return_prompt_text
+    assert ids.echo and ids.prompt_texts == (None,) and ids.request.return_prompt_text
     assert list(ids.request.token_ids.ids) == [1, 2, 3]

@@ -148,7 +148,7 @@ async def _complete(
     except FieldError as e:
         raise HTTPError(400, "invalid_request_error", e.message, e.param) from None
     metadata = [("authorization", http.headers["authorization"])] if "authorization" in http.headers else []
-    calls = [stub.Generate(plan.request, metadata=metadata) for _ in range(plan.n)]
+    calls = [stub.Generate(request, metadata=metadata) for request in plan.requests for _ in range(plan.n)]
     firsts = []
     try:
         for call in calls:  # nothing is sent to the client until every choice has its first tokens
@@ -157,7 +157,7 @@ async def _complete(
         for call in calls:
             call.cancel()
         raise _from_rpc(e) from None
-    echoes = [_echo(plan, first) for first in firsts]
+    echoes = [_echo(plan, index // plan.n, first) for index, first in enumerate(firsts)]
     reply = Reply(("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), model, plan, echoes)
     if plan.stream:
         return StreamingResponse(stream(calls, firsts, reply), media_type="text/event-stream")
@@ -167,11 +167,12 @@ async def _complete(
         raise _from_rpc(e) from None
 
 
-def _echo(plan: Plan, first: Any) -> str:
-    """The text that leads a choice: the prompt as sent, or as the router decoded its token ids."""
+def _echo(plan: Plan, prompt: int, first: Any) -> str:
+    """The text that leads a choice of prompt `prompt`: the prompt as sent, or as the router decoded its token ids."""
     if not plan.echo:
         return ""
-    return plan.prompt_text if plan.prompt_text is not None else getattr(first, "prompt_text", "")
+    text = plan.prompt_texts[prompt]
+    return text if text is not None else getattr(first, "prompt_text", "")
 
 
 class HTTPServer:

@@ -136,7 +136,10 @@ TANDEM = {  # Tandem's own (tandem.v1.SamplingParams and LatencyBudget)
 }
 
 COMPLETIONS = {
-    "prompt": honoured("a string, or a list of token ids (or a list of one of either); one prompt per request"),
+    "prompt": honoured(
+        "a string, a list of token ids, or a list of up to 64 of either (a batch: each prompt its own request, "
+        "choice p * n + j prompt p's j-th, usage summed)"
+    ),
     **OPENAI,
     "max_tokens": honoured("at least 1; 16 when unset"),
     "logprobs": honoured(

@@ -28,33 +28,47 @@ BUDGET = ("ttft_seconds", "tpot_seconds")  # body field = tandem.v1.LatencyBudge
 UINT32 = 2**32
 
 
+MAX_PROMPTS = 64  # prompts in one completions request
+
+
 @dataclass(frozen=True)
 class Plan:
-    """What to ask the cluster (`n` calls of `request`) and how to answer."""
+    """What to ask the cluster (`n` calls of each request: one request per prompt of a completions
+    batch) and how to answer. Choice `p * n + j` is prompt `p`'s `j`-th."""
 
-    request: api_pb2.GenerateRequest
+    requests: tuple[api_pb2.GenerateRequest, ...]
     chat: bool
     n: int
     stream: bool
     include_usage: bool  # a last chunk with the whole usage
     continuous_usage: bool  # usage so far in every chunk
     echo: bool
-    prompt_text: str | None  # a text prompt as sent (echoed); None: the router returns it (token ids)
+    prompt_texts: tuple[str | None, ...]  # each text prompt as sent (echoed); None: the router returns it (token ids)
     tools: Tools | None = None  # a chat's tools: its replies are read for tool calls
+
+    @property
+    def request(self) -> api_pb2.GenerateRequest:
+        """The first (a chat's only) request."""
+        return self.requests[0]
 
 
 def completion_plan(body: dict[str, Any]) -> Plan:
     check(body, COMPLETIONS)
-    prompt = _completion_prompt(body.get("prompt"))
+    prompts = _completion_prompts(body.get("prompt"))
     echo = _flag(body, "echo")
     if echo and body.get("logprobs") is not None:
         raise FieldError("echo", "echo with logprobs needs the prompt's log-probabilities, which are not computed")
-    request = _request(body, prompt, chat=False)
-    if (constraint := structured(body)) is not None:
-        request.sampling.structured.CopyFrom(constraint)
-    text = prompt.get("text")
-    request.return_prompt_text = echo and text is None
-    return _plan(body, request, chat=False, echo=echo, prompt_text=text)
+    requests, texts = [], []
+    constraint = structured(body)
+    for prompt in prompts:
+        request = _request(body, prompt, chat=False)
+        if constraint is not None:
+            request.sampling.structured.CopyFrom(constraint)
+        text = prompt.get("text")
+        request.return_prompt_text = echo and text is None
+        requests.append(request)
+        texts.append(text)
+    return _plan(body, requests, chat=False, echo=echo, prompt_texts=texts)
 
 
 def chat_plan(body: dict[str, Any]) -> Plan:
@@ -68,12 +82,13 @@ def chat_plan(body: dict[str, Any]) -> Plan:
         request.chat.tools_json = found.json
     if (constraint := constraint or calls) is not None:
         request.sampling.structured.CopyFrom(constraint)
-    return dataclasses.replace(_plan(body, request, chat=True, echo=False, prompt_text=None), tools=found)
+    return dataclasses.replace(_plan(body, [request], chat=True, echo=False, prompt_texts=[None]), tools=found)
 
 
 def _plan(
-    body: dict[str, Any], request: api_pb2.GenerateRequest, chat: bool, echo: bool, prompt_text: str | None
-) -> Plan:
+    body: dict[str, Any], requests: list[api_pb2.GenerateRequest], chat: bool, echo: bool,
+    prompt_texts: list[str | None],
+) -> Plan:  # fmt: skip
     n = body.get("n")
     n = 1 if n is None else n
     if not _integer(n) or not 1 <= n <= 16:
@@ -85,18 +100,25 @@ def _plan(
         raise FieldError("stream_options", "stream_options must be an object")
     usage = _flag(options or {}, "include_usage", "stream_options.")
     continuous = _flag(options or {}, "continuous_usage_stats", "stream_options.")
-    return Plan(request, chat, n, stream, usage, continuous, echo, prompt_text)
+    return Plan(tuple(requests), chat, n, stream, usage, continuous, echo, tuple(prompt_texts))
 
 
-def _completion_prompt(prompt: Any) -> dict[str, Any]:
-    """The GenerateRequest prompt field of a completions body."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
+    """The GenerateRequest prompt field of each prompt of a completions body: a string, a list of
+    token ids, or a list of either (a batch)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise FieldError("prompt", f"at most {MAX_PROMPTS} prompts in one request, not {len(prompt)}")
+        return [_completion_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_completion_prompt(prompt, "prompt")]
+
+
+def _completion_prompt(prompt: Any, where: str) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"text": prompt}
     if isinstance(prompt, list) and prompt and all(_integer(t) and 0 <= t < UINT32 for t in prompt):
         return {"token_ids": api_pb2.TokenIds(ids=prompt)}
-    raise FieldError("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
+    raise FieldError(where, f"{where} must be a string or a non-empty list of token ids (or a list of either)")
 
 
 def _chat_prompt(messages: Any) -> api_pb2.ChatPrompt:

@@ -1,8 +1,9 @@
 """The OpenAI reply to a completion's `tandem.v1.Generate` calls, one per choice: a whole body
 (`collect`) or server-sent events (`stream`).
 
-Usage counts the prompt once (for n > 1, the first choice's prefix-cache hit is
-`prompt_tokens_details.cached_tokens`) and every choice's completion tokens. An echoed prompt leads
+Usage counts each prompt once (for n > 1, its first choice's prefix-cache hit goes into
+`prompt_tokens_details.cached_tokens`) and every choice's completion tokens; a completions batch
+of prompts sums them. An echoed prompt leads
 its choice's text; streamed, it is the choice's first chunk. `stream` ends every choice's call when
 the client goes away, and the cluster frees their KV.
 """
@@ -107,7 +108,9 @@ async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignor
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
     completion = sum(u.completion_tokens for u in usages)
-    return reply.body(choices, usage(usages[0].prompt_tokens, completion, usages[0].cached_prompt_tokens))
+    firsts_of_prompts = usages[:: reply.plan.n]  # each prompt counts once, however many choices it has
+    prompt = sum(u.prompt_tokens for u in firsts_of_prompts)
+    return reply.body(choices, usage(prompt, completion, sum(u.cached_prompt_tokens for u in firsts_of_prompts)))
 
 
 def _tool_choices(
@@ -151,7 +154,7 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
         so_far = usage(prompt, sum(done)) if plan.continuous_usage else None if plan.include_usage else _OMIT
         return f"data: {json.dumps(reply.body(choices, so_far))}\n\n".encode()
 
-    prompt = getattr(firsts[0], "prompt_tokens", 0)
+    prompt = sum(getattr(first, "prompt_tokens", 0) for first in firsts[:: plan.n])  # each prompt once
     done, final = [0] * len(calls), [api_pb2.Usage() for _ in calls]  # completion tokens so far; last usages
     started = [False] * len(calls)
     offsets = [len(echo) for echo in reply.echoes]  # each completion choice's text so far, for text_offset
@@ -183,7 +186,7 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
             offsets[index] += sum(len(lp.token) for lp in m.logprobs)
             yield event([choice])
         if plan.include_usage:
-            whole = usage(prompt, sum(done), final[0].cached_prompt_tokens)
+            whole = usage(prompt, sum(done), sum(u.cached_prompt_tokens for u in final[:: plan.n]))
             yield f"data: {json.dumps(reply.body([], whole))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:  # a client that disconnects cancels every choice: the cluster frees their KV
