@@ -83,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else config.router.port
     started = time.perf_counter()
     print(f"starting Ray and the {config.model.served_name} pools in {dtype_note(config)} ...", file=sys.stderr)
+    print(sampling_note(config), file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
     router, http, replicas, lifeline = None, None, None, None
     try:
@@ -126,6 +127,7 @@ def _control(args: argparse.Namespace) -> int:
 
     config = serve_config(args.config)
     print(f"starting Ray and the {config.model.served_name} pools in {dtype_note(config)} ...", file=sys.stderr)
+    print(sampling_note(config), file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
     lifeline = _watch_ray(cluster, config)
     try:
@@ -266,3 +268,17 @@ def dtype_note(config: ClusterConfig) -> str:
     """The model's dtype, with why `auto` picks it on this machine where it is auto's pick."""
     picked, why = auto_dtype(config.model.device)
     return f"{config.model.dtype} ({why})" if config.model.dtype == picked else f"{config.model.dtype} (as configured)"
+
+
+def sampling_note(config: ClusterConfig) -> str:
+    """What a request that leaves a sampling field unset gets: the model's generation_config.json's, or Tandem's."""
+    from cluster.model.tokenizer import Tokenizer
+
+    if config.model.generation_config == "none":
+        return "sampling defaults: Tandem's (model.generation_config: none)"
+    found = Tokenizer(config.model.path).sampling_defaults
+    if not found:
+        return "sampling defaults: Tandem's (the model's generation_config.json sets none)"
+    listed = ", ".join(f"{k} {v:g}" for k, v in found.items())
+    off = "model.generation_config: none turns them off"
+    return f"sampling defaults from the model's generation_config.json: {listed} ({off})"

@@ -38,6 +38,11 @@ class ModelConfig(_Part):
         "worker of a cluster holds the same.",
     )
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the model runs.")
+    generation_config: Literal["auto", "none"] = Field(
+        default="auto",
+        description="auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset gets "
+        "the model's own from its generation_config.json (tandem serve prints them); none: Tandem's defaults.",
+    )
     max_model_len: int | None = Field(
         default=None,
         gt=0,

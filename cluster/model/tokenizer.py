@@ -51,7 +51,9 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         # What a template may name, as transformers passes its special tokens map.
         self._special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
-        self.eos_token_ids = self._eos_ids(_read_json(folder / "generation_config.json"))
+        generation = _read_json(folder / "generation_config.json")
+        self.eos_token_ids = self._eos_ids(generation)
+        self.sampling_defaults = sampling_defaults(generation, folder / "generation_config.json")
         self._template: jinja2.Template | None = None
         self._bytes: list[bytes] | None = None  # each token's bytes, built on first use
 
@@ -139,6 +141,24 @@ class Tokenizer:
         if self.eos_token is not None and (tid := self.token_to_id(self.eos_token)) is not None:
             ids.append(tid)
         return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+# generation_config.json's sampling fields, as `tandem.v1.SamplingParams` names them
+SAMPLING_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+
+
+def sampling_defaults(generation_config: dict[str, Any], where: Path) -> dict[str, float | int]:
+    """The model's own sampling defaults: the fields of `SAMPLING_DEFAULTS` its generation_config.json
+    sets (a request that leaves one unset gets it; `model.generation_config: none` turns them off)."""
+    found: dict[str, float | int] = {}
+    for key, kind in SAMPLING_DEFAULTS.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+            raise ModelFormatError(f"{where}: {key} must be a {kind.__name__}, not {value!r}")
+        found[key] = kind(value)
+    return found
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

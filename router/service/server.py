@@ -202,6 +202,7 @@ class Router(worker_pb2_grpc.AdminServicer):
         )  # fmt: skip
         status, admitted, abort = "error", False, None
         try:
+            with_model_defaults(request.sampling, self.settings.sampling_defaults)
             prompt, params = validate(request, self.settings.limits, self.tokenizer, self.grammars)
             if self.lost is not None:
                 status = "rejected"
@@ -340,6 +341,16 @@ class Router(worker_pb2_grpc.AdminServicer):
     def _mode(root: trace.Span) -> str:
         attributes = getattr(root, "attributes", None) or {}
         return str(attributes.get("tandem.prefill_mode", "none"))
+
+
+def with_model_defaults(sampling: api_pb2.SamplingParams, defaults: dict[str, float | int]) -> None:
+    """Fills each sampling field the request left unset with the model's default for it (its
+    generation_config.json); beam search, which samples nothing, takes none."""
+    if sampling.num_beams > 1:
+        return
+    for key, value in defaults.items():
+        if not sampling.HasField(key):
+            setattr(sampling, key, value)
 
 
 def from_config(

@@ -42,6 +42,8 @@ class RouterSettings:
     stream_interval: int = _default(RouterConfig, "stream_interval")  # tokens per client message after the first
     prefix_routing: str = _default(RouterConfig, "prefix_routing")  # "kv", "hash" (the prefill ring) or "random"
     prefix_index_max_blocks: int = _default(RouterConfig, "prefix_index_max_blocks")
+    # What a request that leaves a sampling field unset gets (the model's generation_config.json)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 class PoolAdmin(Protocol):
@@ -78,4 +80,5 @@ def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Toke
         stream_interval=r.stream_interval,
         prefix_routing=r.prefix_routing,
         prefix_index_max_blocks=r.prefix_index_max_blocks,
+        sampling_defaults=dict(tokenizer.sampling_defaults) if m.generation_config == "auto" else {},
     )
