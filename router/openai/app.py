@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP face (FastAPI on uvicorn).
 
-    POST /v1/completions         POST /v1/chat/completions      (both with "stream": true as SSE)
+    POST /v1/completions   POST /v1/chat/completions   POST /v1/responses   (all with "stream": true as SSE)
     GET  /v1/models              GET  /health                   GET /metrics
 
 Every completion becomes `tandem.v1.Generate` calls on the router's own gRPC port (one per choice,
@@ -31,6 +31,7 @@ from tandem.v1 import api_pb2_grpc
 from router.openai.fields import FieldError
 from router.openai.request import Plan, chat_plan, completion_plan
 from router.openai.response import Reply, collect, stream
+from router.openai.responses import chat_body, events, response
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -119,6 +120,10 @@ def create_app(grpc_target: str, model: str, registry: Any = None, channel_crede
     async def chat(request: Request) -> Response:
         return await _complete(stub(), request, await _json(request), model, chat_plan)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _respond(stub(), request, await _json(request), model)
+
     return app
 
 
@@ -139,6 +144,39 @@ async def _complete(
     model: str,
     read: Callable[[dict[str, Any]], Plan],
 ) -> Response:
+    plan, calls, firsts = await _start(stub, http, body, model, read)
+    echoes = [_echo(plan, index // plan.n, first) for index, first in enumerate(firsts)]
+    reply = Reply(("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), model, plan, echoes)
+    if plan.stream:
+        return StreamingResponse(stream(calls, firsts, reply), media_type="text/event-stream")
+    try:
+        return JSONResponse(await collect(calls, firsts, reply))
+    except grpc.RpcError as e:
+        raise _from_rpc(e) from None
+
+
+async def _respond(stub: api_pb2_grpc.TandemStub, http: Request, body: dict[str, Any], model: str) -> Response:
+    """A Responses API body, run as the chat completion it stands for."""
+    plan, calls, firsts = await _start(stub, http, body, model, lambda body: chat_plan(chat_body(body)))
+    rid = "resp_" + uuid.uuid4().hex
+    if plan.stream:
+        return StreamingResponse(events(rid, body, model, plan, calls[0], firsts[0]), media_type="text/event-stream")
+    try:
+        chat = await collect(calls, firsts, Reply(rid, int(time.time()), model, plan, [""]))
+    except grpc.RpcError as e:
+        raise _from_rpc(e) from None
+    return JSONResponse(response(rid, body, model, chat))
+
+
+async def _start(
+    stub: api_pb2_grpc.TandemStub,
+    http: Request,
+    body: dict[str, Any],
+    model: str,
+    read: Callable[[dict[str, Any]], Plan],
+) -> tuple[Plan, list[Any], list[Any]]:
+    """The body's plan, its calls started, and each call's first message: a refusal (a bad field,
+    a gRPC error before any token) is an HTTP error, every call cancelled."""
     if body.get("model") not in (None, model):
         raise HTTPError(
             404, "not_found_error", f"model {body.get('model')!r} is not served here (try {model!r})", "model"
@@ -157,14 +195,7 @@ async def _complete(
         for call in calls:
             call.cancel()
         raise _from_rpc(e) from None
-    echoes = [_echo(plan, index // plan.n, first) for index, first in enumerate(firsts)]
-    reply = Reply(("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), model, plan, echoes)
-    if plan.stream:
-        return StreamingResponse(stream(calls, firsts, reply), media_type="text/event-stream")
-    try:
-        return JSONResponse(await collect(calls, firsts, reply))
-    except grpc.RpcError as e:
-        raise _from_rpc(e) from None
+    return plan, calls, firsts
 
 
 def _echo(plan: Plan, prompt: int, first: Any) -> str:

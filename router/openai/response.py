@@ -51,7 +51,7 @@ def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, 
     return out
 
 
-async def _rest(call, first) -> AsyncIterator[api_pb2.GenerateResponse]:  # type: ignore[no-untyped-def]
+async def messages_from(call, first) -> AsyncIterator[api_pb2.GenerateResponse]:  # type: ignore[no-untyped-def]
     """The call's messages from `first` on (read with `read()`: gRPC forbids mixing it with iteration)."""
     m = first
     while m is not grpc.aio.EOF:
@@ -91,7 +91,7 @@ async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignor
     """The whole response; a call's gRPC error propagates."""
     chat, choices, usages = reply.plan.chat, [], []
     for index, (call, first) in enumerate(zip(calls, firsts, strict=True)):
-        messages = [m async for m in _rest(call, first)]
+        messages = [m async for m in messages_from(call, first)]
         text = reply.echoes[index] + "".join(m.text for m in messages)
         last = messages[-1] if messages else api_pb2.GenerateResponse()
         usages.append(last.usage)
@@ -145,7 +145,7 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
 
     async def pump(index: int) -> None:
         try:
-            async for m in _rest(calls[index], firsts[index]):
+            async for m in messages_from(calls[index], firsts[index]):
                 await queue.put((index, m))
         finally:
             await queue.put((index, None))
