@@ -37,7 +37,10 @@ RESPONSES = {
     "model": honoured("the served model's name (another is 404)"),
     "input": honoured("a string, or a list of messages (text parts) and function_call / function_call_output items"),
     "instructions": honoured("a system turn before the input"),
-    "tools": honoured('function tools ({"type": "function", name, description, parameters}), as chat\'s'),
+    "tools": honoured(
+        'function tools ({"type": "function", name, description, parameters, strict}), as chat\'s; strict or '
+        "not, required and named calls are constrained to the parameters"
+    ),
     "tool_choice": honoured('"none", "auto", "required" or {"type": "function", "name"}'),
     "parallel_tool_calls": honoured("false: at most one call"),
     "text": honoured("text.format: structured output", TEXT_FORMAT),
@@ -138,6 +141,9 @@ def _content(content: Any, where: str) -> str:
 def _tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise FieldError(f"tools[{i}]", f'tools[{i}] must be a function tool ({{"type": "function", "name": ...}})')
+    unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
+    if unknown:
+        raise FieldError(f"tools[{i}].{min(unknown)}", f"tools[{i}].{min(unknown)} is not read")
     function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
