@@ -177,6 +177,14 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _core_died(self) -> None:
+        """The engine core process is gone (its requests have failed): this worker serves nothing more."""
+        self._draining = True
+        self.engine.changes.bump()  # the load says so
+        if self.server is not None:
+            self.server.set_serving(False)
+        self.on_fatal()
+
     def _on_wedge(self, wedged: bool) -> None:
         self.engine.changes.bump()  # the load says so
         if self.server is not None:

@@ -335,14 +335,6 @@ class DecodeWorker(WorkerShell[Core]):
             return [(placed, outputs[-1])]
         return []
 
-    def _core_died(self) -> None:
-        """The engine core process is gone (its streams have failed): this worker serves nothing more."""
-        self._draining = True
-        self.engine.changes.bump()  # the load says so
-        if self.server is not None:
-            self.server.set_serving(False)
-        self.on_fatal()
-
     def _route(self, out: RequestOutput) -> None:
         """A Submit stream's output (under `_lock`), or one whose request has not come yet."""
         stream = self._streams.get(out.request_id)

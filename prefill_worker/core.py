@@ -40,7 +40,7 @@ from cluster.engine.kv_events import KVBatch, KVJournal, replay
 from cluster.engine.request import SamplingParams
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import CollectiveSender, GrpcSender
-from cluster.kv.transport import KVSender, SendStream, TransferState
+from cluster.kv.transport import KVSender, SendStream, TransferOutcome, TransferState
 from cluster.kv.wire import TransferError
 from cluster.tls import channel_credentials
 from prefill_worker.engine import PrefillEngine, PrefillOutput, PrefillStats
@@ -78,27 +78,16 @@ class TransferEnd:
     message: str = ""
 
 
-class RemoteTransfer:
+class RemoteTransfer(TransferOutcome):
     """The front's view of a transfer that a core process sends: what a Submit reads of a `SendStream`."""
 
     def __init__(self) -> None:
-        self.state = TransferState.RESERVED
-        self.error: TransferError | None = None
-        self.bytes_sent = 0
+        super().__init__()
         self.delivered = False  # its first token reached the front
-        self._finished = threading.Event()
 
     def end(self, state: TransferState, bytes_sent: int, error: TransferError | None) -> None:
         self.state, self.bytes_sent, self.error = state, bytes_sent, error
         self._finished.set()
-
-    def wait(self, timeout: float | None = None) -> TransferState:
-        self._finished.wait(timeout)
-        return self.state
-
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
 
 
 class Senders:

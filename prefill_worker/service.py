@@ -187,14 +187,6 @@ class PrefillWorker(WorkerShell[Core]):
             if not waiter.done():
                 waiter.set_exception(RuntimeError(frame.failed))
 
-    def _core_died(self) -> None:
-        """The engine core process is gone (its requests have failed): this worker serves nothing more."""
-        self._draining = True
-        self.engine.changes.bump()  # the load says so
-        if self.server is not None:
-            self.server.set_serving(False)
-        self.on_fatal()
-
 
 def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     """A prefill worker for the config's model, cache, batching and transfer settings (not started);

@@ -85,7 +85,9 @@ def test_what_is_not_stored_or_not_served_is_refused_by_name(served):  # noqa: F
     api = client(base)
     for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"reasoning": {"effort": "low"}}, "reasoning"), ({"frobnicate": 1}, "frobnicate"),
-                         ({"input": [{"type": "image", "image_url": "x"}]}, "input[0].type")]:  # fmt: skip
+                         ({"input": [{"type": "image", "image_url": "x"}]}, "input[0].type"),
+                         ({"input": [{"role": "user", "content": "hi", "name": "x"}]}, "input[0].name"),
+                         ({"text": {"format": {"type": "json_object", "x": 2}}}, "text.format.x")]:  # fmt: skip
         body = {"model": MODEL, "input": "hi", **extra}
         with pytest.raises(openai.BadRequestError) as bad:
             api.responses.create(**body) if "frobnicate" not in extra else api.responses.create(

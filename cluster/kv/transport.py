@@ -61,18 +61,34 @@ class KVSender(Protocol):
 _ABORT = object()
 
 
-class SendStream:
+class TransferOutcome:
+    """How a transfer ended, as a caller waits on it: its state, its error, the bytes it sent."""
+
+    def __init__(self) -> None:
+        self.state = TransferState.RESERVED
+        self.error: TransferError | None = None
+        self.bytes_sent = 0  # tensor bytes handed to the transport
+        self._finished = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Blocks until the receiver answered (or `timeout` passed); returns the state."""
+        self._finished.wait(timeout)
+        return self.state
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+
+class SendStream(TransferOutcome):
     """One transfer's sending end. Subclasses implement `_run`, which consumes `_messages()`."""
 
     def __init__(self, header: KVHeader, max_queued: int = 8) -> None:
+        super().__init__()
         self.header = header
-        self.state = TransferState.RESERVED
-        self.error: TransferError | None = None
         self.num_blocks = 0  # reported by the receiver on success
-        self.bytes_sent = 0  # tensor bytes handed to the transport
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queued + 2)
         self._queue.put(header)
-        self._finished = threading.Event()
         self._on_finished: list[Callable[[SendStream], None]] = []
         self._callbacks_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, daemon=True, name=f"kv-send-{header.request_id}")
@@ -93,15 +109,6 @@ class SendStream:
         if not self._finished.is_set():
             self._cancel()
             self._put(_ABORT)
-
-    def wait(self, timeout: float | None = None) -> TransferState:
-        """Blocks until the receiver answered (or `timeout` passed); returns the state."""
-        self._finished.wait(timeout)
-        return self.state
-
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
 
     def when_finished(self, callback: Callable[[SendStream], None]) -> None:
         """Calls `callback(self)` once the receiver answered or the stream failed (at once if it has),

@@ -149,10 +149,7 @@ async def _complete(
     reply = Reply(("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), model, plan, echoes)
     if plan.stream:
         return StreamingResponse(stream(calls, firsts, reply), media_type="text/event-stream")
-    try:
-        return JSONResponse(await collect(calls, firsts, reply))
-    except grpc.RpcError as e:
-        raise _from_rpc(e) from None
+    return JSONResponse(await _collected(calls, firsts, reply))
 
 
 async def _respond(stub: api_pb2_grpc.TandemStub, http: Request, body: dict[str, Any], model: str) -> Response:
@@ -161,11 +158,16 @@ async def _respond(stub: api_pb2_grpc.TandemStub, http: Request, body: dict[str,
     rid = "resp_" + uuid.uuid4().hex
     if plan.stream:
         return StreamingResponse(events(rid, body, model, plan, calls[0], firsts[0]), media_type="text/event-stream")
+    chat = await _collected(calls, firsts, Reply(rid, int(time.time()), model, plan, [""]))
+    return JSONResponse(response(rid, body, model, chat))
+
+
+async def _collected(calls: list[Any], firsts: list[Any], reply: Reply) -> dict[str, Any]:
+    """The whole chat or completion reply; a call that fails midway is an HTTP error."""
     try:
-        chat = await collect(calls, firsts, Reply(rid, int(time.time()), model, plan, [""]))
+        return await collect(calls, firsts, reply)
     except grpc.RpcError as e:
         raise _from_rpc(e) from None
-    return JSONResponse(response(rid, body, model, chat))
 
 
 async def _start(

@@ -66,6 +66,16 @@ RESPONSES = {
 }
 
 
+# The keys of each input item the face reads. An item's `id` and `status` (what an earlier response
+# wrote on it) are read past: nothing is stored to look them up.
+ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
+    "function_call_output": ("type", "call_id", "output", "id", "status"),
+}
+PART_KEYS = ("type", "text", "annotations", "logprobs")  # an earlier reply's output_text carries the last two
+
+
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat completions body that asks for what a Responses body does."""
     check(body, RESPONSES)
@@ -83,6 +93,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(_list(body["tools"], "tools"))]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        _known(choice, ("type", "name"), "tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
@@ -101,6 +112,9 @@ def _input(value: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise FieldError(where, f"{where} must be an object")
         kind = item.get("type", "message")
+        if kind not in ITEM_KEYS:
+            raise FieldError(f"{where}.type", f"{where}.type {kind!r} is not read (messages and function calls are)")
+        _known(item, ITEM_KEYS[kind], where)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -114,13 +128,11 @@ def _input(value: Any) -> list[dict[str, Any]]:
                 messages[-1]["tool_calls"].append(call)  # the calls of one turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        else:  # function_call_output
             output = item.get("output")
             text = output if isinstance(output, str) else _content(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{where}.call_id"),
                              "content": text})  # fmt: skip
-        else:
-            raise FieldError(f"{where}.type", f"{where}.type {kind!r} is not read (messages and function calls are)")
     if not messages:
         raise FieldError("input", "input must not be empty")
     return messages
@@ -134,6 +146,7 @@ def _content(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise FieldError(f"{where}.content[{j}]", f"{where}.content[{j}]: only text parts are read")
+        _known(part, PART_KEYS, f"{where}.content[{j}]")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -151,10 +164,18 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
 def _format(form: Any) -> dict[str, Any]:
     if not isinstance(form, dict) or form.get("type") not in ("text", "json_object", "json_schema"):
         raise FieldError("text.format", 'text.format.type must be "text", "json_object" or "json_schema"')
+    _known(form, ("type", "name", "description", "schema", "strict"), "text.format")
     if form["type"] != "json_schema":
         return {"type": form["type"]}
     schema = {k: form[k] for k in ("name", "description", "schema", "strict") if form.get(k) is not None}
     return {"type": "json_schema", "json_schema": schema}
+
+
+def _known(item: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """Refuses, by name, a key of `item` the face does not read."""
+    unknown = sorted(k for k in item if k not in keys and item[k] is not None)
+    if unknown:
+        raise FieldError(f"{where}.{unknown[0]}", f"{where}.{unknown[0]} is not read")
 
 
 def _list(value: Any, where: str) -> list[Any]:
