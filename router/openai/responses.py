@@ -35,7 +35,10 @@ TEXT_FORMAT = {
 }
 RESPONSES = {
     "model": honoured("the served model's name (another is 404)"),
-    "input": honoured("a string, or a list of messages (text parts) and function_call / function_call_output items"),
+    "input": honoured(
+        "a string, or a list of messages (text parts) and function_call / function_call_output items; an item's "
+        "id and status are read past (nothing is stored), any other unknown key is refused"
+    ),
     "instructions": honoured("a system turn before the input"),
     "tools": honoured(
         'function tools ({"type": "function", name, description, parameters, strict}), as chat\'s; strict or '
