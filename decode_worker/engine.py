@@ -178,6 +178,7 @@ class Engine:
                 raise KeyError(f"no reservation for request {request_id!r}")
             self._reserved.discard(request_id)
             self._open_stream(request)  # before the first token joins the output: it is decoded as new text
+            request.num_prompt_logprobs = max(request.num_prompt_tokens - 1, 0)  # scored where it was prefilled
             self.scheduler.admit(request, first_token)  # and the matcher takes the first token
             self._pending.append(self._output(request, [first_token], [logprob] if logprob is not None else None))
             self._changed()
@@ -296,6 +297,7 @@ class Engine:
             request_id=request.request_id,
             token_ids=tokens,
             logprobs=list(logprobs) if logprobs is not None and request.params.logprobs is not None else [],
+            prompt_logprobs=request.take_prompt_logprobs(),
             finished=request.finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,

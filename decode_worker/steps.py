@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 import grpc
 from tandem.v1 import api_pb2, worker_pb2
 
+from cluster.engine.request import logprob_entries
 from decode_worker.text import RequestOutput, merged
 
 FINISH = {
@@ -38,17 +39,13 @@ FINISH = {
 
 
 def tokens_message(out: RequestOutput) -> worker_pb2.WorkerTokens:
-    """The worker's message for an engine output; the last one carries speculation counts and beams."""
-    logprobs = [
-        api_pb2.TokenLogprob(
-            token_id=token, logprob=lp, top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
-        )
-        for token, (lp, top) in zip(out.token_ids, out.logprobs, strict=False)
-    ]
+    """The worker's message for an engine output; the last one carries speculation counts and
+    beams, the first one the prompt's logprobs when asked for."""
     msg = worker_pb2.WorkerTokens(
         request_id=out.request_id,
         token_ids=out.token_ids,
-        logprobs=logprobs,
+        logprobs=logprob_entries(zip(out.token_ids, out.logprobs, strict=False)),
+        prompt_logprobs=logprob_entries(out.prompt_logprobs),
         finish_reason=FINISH[out.finish_reason] if out.finished else api_pb2.FINISH_REASON_UNSPECIFIED,
         text=out.text,
         num_prompt_tokens=out.num_prompt_tokens,

@@ -37,6 +37,8 @@ class RequestOutput:
     token_ids: list[int]  # new this step
     text: str = ""  # new this step
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With the first token, when asked for: (token id, its logprob) for each prompt token after the first.
+    prompt_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -58,6 +60,7 @@ def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
         token_ids=[t for out in outputs for t in out.token_ids],
         text="".join(out.text for out in outputs),
         logprobs=[lp for out in outputs for lp in out.logprobs],
+        prompt_logprobs=[lp for out in outputs for lp in out.prompt_logprobs],
     )
 
 

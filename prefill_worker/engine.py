@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +29,7 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.changes import Changes
 from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner
-from cluster.engine.request import Request, SamplingParams, ScheduledChunk
+from cluster.engine.request import Request, SamplingParams, ScheduledChunk, TokenLogprob
 from cluster.engine.sampler import Sampler, SampleRow
 from cluster.engine.structured import Grammars
 from cluster.kv.transport import KVSender, SendStream
@@ -47,6 +47,7 @@ class PrefillOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     transfer: SendStream
+    prompt_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # when asked for
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ class PrefillEngine:
                 PrefillOutput(
                     request.request_id, result.token_ids[i], logprob, top,
                     request.num_prompt_tokens, request.num_cached_tokens, job.stream,
+                    request.take_prompt_logprobs(),
                 )
             )  # fmt: skip
         self._changed()

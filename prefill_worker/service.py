@@ -25,6 +25,7 @@ import grpc
 from tandem.v1 import api_pb2, worker_pb2
 
 from cluster.config import AuthConfig, ClusterConfig, TransferConfig
+from cluster.engine.request import logprob_entries
 from cluster.grpc_server import admit_submit
 from cluster.kv.transport import TransferState
 from cluster.telemetry import Telemetry, extract
@@ -100,6 +101,7 @@ class PrefillWorker(WorkerShell[Core]):
             logprobs=logprobs,
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=logprob_entries(out.prompt_logprobs),
         )
         state = out.transfer.wait(self.transfer.timeout_s + self.transfer.lease_s)
         self._observe(parent, out, submitted, step_start, step_end, time.time())

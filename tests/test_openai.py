@@ -11,6 +11,7 @@ import inspect
 import json
 import threading
 import time
+import types
 from pathlib import Path
 
 import openai
@@ -311,9 +312,49 @@ def test_echo_for_text_and_token_prompts_whole_and_streamed(served):
     for sent, text in ((prompt, prompt), (ids, decoded)):
         chunks = list(client(base).completions.create(prompt=sent, echo=True, stream=True, **args))
         assert chunks[0].choices[0].text == text and "".join(c.choices[0].text for c in chunks) == text + completion
-    with pytest.raises(openai.BadRequestError) as refused:
-        client(base).completions.create(prompt=prompt, echo=True, logprobs=1, **args)
-    assert refused.value.param == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_grpc_api_does(served):
+    """lm-evaluation-harness's request (echo, logprobs, max_tokens 1), for a prompt prefilled on
+    the decode worker and one on the prefill worker, whole and streamed, with the prefix cache warm:
+    the prompt's tokens lead the logprobs (the first with null), their texts join to the echoed
+    prompt, and their logprobs are the gRPC API's prompt_logprobs; vLLM's prompt_logprobs agree."""
+    base, grpc_address, _, _ = served
+    api = client(base)
+    args = {"model": "tandem-demo-code", "max_tokens": 1, "temperature": 0}
+    for prompt in ("x = 1", "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"):  # local, then remote
+        api.completions.create(prompt=prompt, **args)  # its blocks are now cached
+        with Client(grpc_address, api_key=KEY) as native:
+            expected = native.generate(prompt, prompt_logprobs=2, max_tokens=1, temperature=0)
+        assert len(expected.prompt_logprobs) == expected.prompt_tokens - 1 > 0
+        whole = api.completions.create(prompt=prompt, echo=True, logprobs=2, **args).choices[0]
+        chunks = api.completions.create(prompt=prompt, echo=True, logprobs=2, stream=True, **args)
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]  # the prompt's, the token's
+        joined = {
+            key: [v for lp in streamed for v in getattr(lp, key)]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
+        for logprobs in (whole.logprobs, types.SimpleNamespace(**joined)):
+            n = expected.prompt_tokens
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            assert "".join(logprobs.tokens[:n]) == prompt
+            assert logprobs.text_offset[:n] == [len("".join(logprobs.tokens[:i])) for i in range(n)]
+            got = logprobs.token_logprobs[1:n]
+            assert got == pytest.approx([lp.logprob for lp in expected.prompt_logprobs], abs=1e-5)
+            assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:n])
+            assert len(logprobs.tokens) == n + 1 and logprobs.text_offset[n] == len(prompt)
+        assert whole.text == prompt + expected.text
+        vllm = api.completions.create(prompt=prompt, extra_body={"prompt_logprobs": 1}, **args).choices[0]
+        entries = vllm.model_extra["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == n
+        for entry, lp in zip(entries[1:], expected.prompt_logprobs, strict=True):
+            own = entry[str(lp.token_id)]
+            assert own["logprob"] == pytest.approx(lp.logprob, abs=1e-5) and own["decoded_token"] == lp.token
+            ranked = {int(t): e["rank"] for t, e in entry.items() if e["rank"] is not None}
+            assert ranked == {lp.top[0][0]: 1}
+    chat = api.chat.completions.create(messages=[{"role": "user", "content": "hi"}], extra_body={"prompt_logprobs": 0},
+                                       **args)  # fmt: skip
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 2
 
 
 def test_cached_tokens_are_what_the_prefix_cache_served(served):

@@ -200,7 +200,8 @@ def test_values_are_checked_and_named():
         ({"stop": 3}, "stop"),
         ({"temperature": "hot"}, "temperature"),
         ({"echo": "yes"}, "echo"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
         ({"prompt": ["a", 5]}, "prompt"),  # neither one prompt nor a batch of them
         ({"prompt": ["a", []]}, "prompt[1]"),

@@ -94,9 +94,10 @@ class BlockManager:
     def __contains__(self, seq: Hashable) -> bool:
         return seq in self._tables
 
-    def can_allocate(self, tokens: Sequence[int]) -> bool:
-        """Whether `tokens` fit, counting cached blocks and leaving the watermark free."""
-        hits = self._lookup(tokens[:-1])
+    def can_allocate(self, tokens: Sequence[int], reuse: bool = True) -> bool:
+        """Whether `tokens` fit, counting cached blocks (unless `reuse` is false) and leaving the
+        watermark free."""
+        hits = self._lookup(tokens[:-1]) if reuse else []
         in_use = sum(1 for b in hits if self._blocks[b].ref_count > 0)
         needed = self._blocks_for(len(tokens)) - in_use
         return len(self._free) - needed >= self.watermark_blocks
@@ -109,14 +110,15 @@ class BlockManager:
 
     # -- changes ---------------------------------------------------------------------------------
 
-    def allocate(self, seq: Hashable, tokens: Sequence[int]) -> int:
-        """Gives `seq` blocks for `tokens`; returns how many leading tokens are already cached."""
+    def allocate(self, seq: Hashable, tokens: Sequence[int], reuse: bool = True) -> int:
+        """Gives `seq` blocks for `tokens`; returns how many leading tokens are already cached
+        (none when `reuse` is false: every block is fresh, and is registered as its KV is computed)."""
         if seq in self._tables:
             raise ValueError(f"sequence {seq!r} already has blocks")
         if not tokens:
             raise ValueError("cannot allocate an empty sequence")
-        hits = self._lookup(tokens[:-1])
-        self.prefix_queries += len(tokens) // self.block_size
+        hits = self._lookup(tokens[:-1]) if reuse else []
+        self.prefix_queries += len(tokens) // self.block_size if reuse else 0
         self.prefix_hits += len(hits)
         table = []
         for block_id in hits:

@@ -7,6 +7,9 @@ tokens of each chunk that reaches its request's last token.
     output = runner.run(plan)   # a decode step: StepOutput, new tokens (and logprobs) by request id
     result = runner.execute(plan, rows, after_layer, masks)   # one sample per row (the prefill worker)
 
+A request that asked for its prompt's logprobs (`SamplingParams.prompt_logprobs`) has every prompt
+position of its chunks scored in the same pass (`_score_prompts`), into `Request.prompt_logprobs`.
+
 `run` reads everything from the plan. A constrained request's masks (`cluster.engine.structured`)
 are computed on their thread while the pass runs. A step of plain rows samples one token each
 (`execute`). A step with drafts or beams takes the logits of every row: each chunk with a draft
@@ -46,6 +49,9 @@ class StepOutput:
     token_ids: dict[str, list[int]]  # accepted draft tokens, then one of the target's own
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per token; empty when no row asked
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # each beam's next-token logits [vocab]
+
+
+PROMPT_SCORE_ROWS = 256  # prompt positions whose logits are taken at once (`_score_prompts`)
 
 
 class ModelRunner:
@@ -176,10 +182,40 @@ class ModelRunner:
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta.positions, self.kv_cache, meta, after_layer)
+        self._score_prompts(plan, hidden)
         if not rows:
             return None
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[index]).float().cpu()
+
+    def _score_prompts(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Prompt logprobs: for each chunk of a request that asked for them, the log-probability of
+        every prompt token this pass saw the position before (its logits are that position's), and
+        the top n there, appended to `Request.prompt_logprobs` in order. A position scored before
+        (a preempted request computed again) is not scored twice. Logits are taken a slice of rows
+        at a time, so a long prompt never holds [prompt, vocab] floats at once."""
+        at = 0
+        for c in plan.chunks:
+            request, offset, at = c.request, at, at + c.num_new
+            if request.params.prompt_logprobs is None:
+                continue
+            first = max(c.start, request.num_prompt_logprobs)
+            end = min(c.start + c.num_new, request.num_prompt_tokens - 1)  # the last position picks output
+            if first >= end:
+                continue
+            assert first == request.num_prompt_logprobs, "prompt positions are scored in order"
+            top_n, prompt = request.params.prompt_logprobs, request.prompt_token_ids
+            for lo in range(first, end, PROMPT_SCORE_ROWS):
+                hi = min(lo + PROMPT_SCORE_ROWS, end)
+                rows = hidden[offset + lo - c.start : offset + hi - c.start]
+                raw = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1).cpu()
+                chosen = raw.gather(1, torch.tensor(prompt[lo + 1 : hi + 1])[:, None]).squeeze(1).tolist()
+                tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+                if top_n:
+                    values, ids = raw.topk(top_n, dim=-1)
+                    tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+                request.prompt_logprobs.extend(zip(chosen, tops, strict=True))
+            request.num_prompt_logprobs = end
 
     @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:

@@ -10,6 +10,7 @@ holding blocks), RUNNING (holding blocks, in the batch) or FINISHED. Shared by b
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class Constraint:
             raise ValueError(f"structured.{self.kind}: is empty")
 
 
+TokenLogprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability and the top n alternatives
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -55,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the sampled token's and the top n
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's (after the first) and the top n
     speculative_tokens: int | None = None  # None: the deployment's setting; 0: no speculation
     num_beams: int = 1  # > 1: beam search (deterministic; sampling parameters are ignored)
     length_penalty: float = 1.0  # beam search: scores are sum of log-probs / length ** length_penalty
@@ -71,6 +76,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0"),
             (self.speculative_tokens is None or self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
             (all(self.stop), "stop strings must not be empty"),
             (self.num_beams >= 1, "num_beams must be >= 1"),
@@ -86,6 +92,7 @@ class SamplingParams:
             checks += [
                 (not self.stop, "beam search does not support stop strings"),
                 (self.logprobs is None, "beam search does not support logprobs"),
+                (self.prompt_logprobs is None, "beam search does not support prompt_logprobs"),
                 (self.min_tokens == 0, "beam search does not support min_tokens"),
                 (not self.speculative_tokens, "beam search cannot be combined with speculative decoding"),
                 (
@@ -121,6 +128,8 @@ def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     if p.speculative_tokens is not None:
         m.speculative_tokens = p.speculative_tokens
     if p.num_beams > 1:
@@ -130,6 +139,16 @@ def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
     if p.structured is not None:
         m.structured.CopyFrom(constraint_to_proto(p.structured))
     return m
+
+
+def logprob_entries(scored: Iterable[tuple[int, TokenLogprob]]) -> list[api_pb2.TokenLogprob]:
+    """The wire's entries for (token id, (its log-probability, the top alternatives)) pairs."""
+    return [
+        api_pb2.TokenLogprob(
+            token_id=token, logprob=lp, top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
+        )
+        for token, (lp, top) in scored
+    ]
 
 
 def constraint_to_proto(c: Constraint) -> api_pb2.Structured:
@@ -179,6 +198,7 @@ def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         speculative_tokens=m.speculative_tokens if m.HasField("speculative_tokens") else None,
         num_beams=max(m.num_beams, 1),
         length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
@@ -210,6 +230,27 @@ class Request:
     num_accepted_tokens: int = 0  # and kept
     group: str | None = None  # beam search: the id of the request whose beam this is
     matcher: Any = None  # structured output: the `cluster.engine.structured.Matcher` over its output
+    # With params.prompt_logprobs: the runner appends each prompt token's entry (tokens 1.. in order)
+    # as its pass computes it; the engine hands them out with the request's first token.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # entries computed so far (those handed out included)
+
+    def take_prompt_logprobs(self) -> list[tuple[int, TokenLogprob]]:
+        """The prompt logprobs scored and not taken yet, as (prompt token, its entry); the output
+        with the first token takes them all (the pass that samples it scores the prompt's end)."""
+        scored = len(self.prompt_logprobs)
+        if not scored:
+            return []
+        at = self.num_prompt_logprobs - scored + 1  # the prompt token the first of them scores
+        taken = list(zip(self.prompt_token_ids[at : at + scored], self.prompt_logprobs, strict=True))
+        self.prompt_logprobs = []
+        return taken
+
+    @property
+    def reuses_cache(self) -> bool:
+        """Whether its prompt may start from the prefix cache: not when its prompt's logprobs are
+        asked for, since a cached block's positions are never computed (so never scored)."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.engine.request import SamplingParams
+from cluster.engine.request import SamplingParams, TokenLogprob
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -87,9 +87,6 @@ class SampleRow:
     @property
     def index(self) -> int:
         return len(self.output_token_ids)
-
-
-TokenLogprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability and the top n alternatives
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,10 @@ VLLM = {  # vLLM's extensions that clients send, on both endpoints
     "spaces_between_special_tokens": refused("(vLLM) special tokens are always left out of the text", True),
     "include_stop_str_in_output": refused("(vLLM) the text always ends before the stop string", False),
     "truncate_prompt_tokens": refused("(vLLM) prompts are never truncated; a prompt too long is refused"),
-    "prompt_logprobs": refused("(vLLM) prompt log-probabilities are not computed"),
+    "prompt_logprobs": honoured(
+        "(vLLM) each prompt token's log-probability and the top n at its position, by token id (rank null for a "
+        "token outside the top n); the prompt is computed whole, past the prefix cache; not with stream"
+    ),
     "use_beam_search": refused("(vLLM) beam search is num_beams here", False),
     "bad_words": refused("(vLLM) the sampler has no banned words", []),
     "allowed_token_ids": refused("(vLLM) the sampler has no allowed-token list"),
@@ -146,7 +149,10 @@ COMPLETIONS = {
         "the sampled token's and this many top log-probabilities: each token's text (the tokens' texts join to "
         "the choice's), its alternatives' by text, and each token's character offset"
     ),
-    "echo": honoured("the prompt's text leads the choice's (not with logprobs)"),
+    "echo": honoured(
+        "the prompt's text leads the choice's; with logprobs, its tokens lead the logprobs (the first with null), "
+        "computed whole, past the prefix cache"
+    ),
     "best_of": refused("server-side best-of is not supported; ask for n choices, or num_beams", 1),
     "suffix": refused("insertion (suffix) is not supported", ""),
     "response_format": honoured(f"(vLLM) {RESPONSE_FORMAT}"),

@@ -45,6 +45,8 @@ class Plan:
     echo: bool
     prompt_texts: tuple[str | None, ...]  # each text prompt as sent (echoed); None: the router returns it (token ids)
     tools: Tools | None = None  # a chat's tools: its replies are read for tool calls
+    echo_logprobs: int | None = None  # echo with logprobs: the echoed prompt's tokens lead the logprobs, top n each
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each prompt token's, with the top n, by token id
 
     @property
     def request(self) -> api_pb2.GenerateRequest:
@@ -56,8 +58,6 @@ def completion_plan(body: dict[str, Any]) -> Plan:
     check(body, COMPLETIONS)
     prompts = _completion_prompts(body.get("prompt"))
     echo = _flag(body, "echo")
-    if echo and body.get("logprobs") is not None:
-        raise FieldError("echo", "echo with logprobs needs the prompt's log-probabilities, which are not computed")
     requests, texts = [], []
     constraint = structured(body)
     for prompt in prompts:
@@ -100,7 +100,12 @@ def _plan(
         raise FieldError("stream_options", "stream_options must be an object")
     usage = _flag(options or {}, "include_usage", "stream_options.")
     continuous = _flag(options or {}, "continuous_usage_stats", "stream_options.")
-    return Plan(tuple(requests), chat, n, stream, usage, continuous, echo, tuple(prompt_texts))
+    echo_logprobs = body["logprobs"] if echo and body.get("logprobs") is not None else None
+    prompt_logprobs = requests[0].sampling.prompt_logprobs if body.get("prompt_logprobs") is not None else None
+    return Plan(
+        tuple(requests), chat, n, stream, usage, continuous, echo, tuple(prompt_texts),
+        echo_logprobs=echo_logprobs, prompt_logprobs=prompt_logprobs,
+    )  # fmt: skip
 
 
 def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -199,6 +204,12 @@ def _sampling(body: dict[str, Any], chat: bool) -> api_pb2.SamplingParams:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
     elif body.get("logprobs") is not None:
         sampling.logprobs = _count(body["logprobs"], "logprobs")
+    if body.get("prompt_logprobs") is not None:
+        if _flag(body, "stream"):
+            raise FieldError("prompt_logprobs", "prompt_logprobs is not available with stream: true")
+        sampling.prompt_logprobs = _count(body["prompt_logprobs"], "prompt_logprobs")
+    if not chat and _flag(body, "echo") and sampling.HasField("logprobs"):  # the echoed prompt's logprobs
+        sampling.prompt_logprobs = max(sampling.prompt_logprobs, sampling.logprobs)
     return sampling
 
 

@@ -87,17 +87,55 @@ def _logprobs(messages: list[api_pb2.GenerateResponse], chat: bool, offset: int 
     }
 
 
+def _echoed_logprobs(first: api_pb2.GenerateResponse, echo: str, top_n: int) -> dict[str, Any]:
+    """An echoed prompt's log-probabilities, as a completion's: its first token has none (its
+    text is what of the echoed prompt the other tokens' texts leave), then each prompt token's."""
+    entries = first.prompt_logprobs
+    rest = "".join(lp.token for lp in entries)
+    head = echo[: len(echo) - len(rest)] if echo.endswith(rest) else ""
+    tokens, offsets = [head, *(lp.token for lp in entries)], [0]
+    for token in tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(lp.logprob for lp in entries)],
+        "top_logprobs": [None, *({t.token: t.logprob for t in lp.top[:top_n]} for lp in entries)],
+        "text_offset": offsets,
+    }
+
+
+def _with_echoed(echoed: dict[str, Any], logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return echoed if logprobs is None else {key: echoed[key] + logprobs[key] for key in echoed}
+
+
+def _vllm_prompt_logprobs(first: api_pb2.GenerateResponse, top_n: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then for each prompt token a map of token
+    id to its logprob, rank and text: the token itself (rank null when it is not among the top n,
+    whose ranks are 1..n), then the top n."""
+    out: list[dict[str, Any] | None] = [None]
+    for lp in first.prompt_logprobs:
+        top = {str(t.token_id): {"logprob": t.logprob, "rank": r, "decoded_token": t.token}
+               for r, t in enumerate(lp.top[:top_n], 1)}  # fmt: skip
+        own = top.pop(str(lp.token_id), {"logprob": lp.logprob, "rank": None, "decoded_token": lp.token})
+        out.append({str(lp.token_id): own, **top})
+    return out
+
+
 async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """The whole response; a call's gRPC error propagates."""
-    chat, choices, usages = reply.plan.chat, [], []
+    plan, chat, choices, usages = reply.plan, reply.plan.chat, [], []
     for index, (call, first) in enumerate(zip(calls, firsts, strict=True)):
         messages = [m async for m in messages_from(call, first)]
         text = reply.echoes[index] + "".join(m.text for m in messages)
         last = messages[-1] if messages else api_pb2.GenerateResponse()
         usages.append(last.usage)
         logprobs = _logprobs(messages, chat, len(reply.echoes[index]))
+        if plan.echo_logprobs is not None:
+            logprobs = _with_echoed(_echoed_logprobs(first, reply.echoes[index], plan.echo_logprobs), logprobs)
         choice: dict[str, Any] = {"index": index, "finish_reason": FINISH.get(last.finish_reason, "stop"),
                                   "logprobs": logprobs}  # fmt: skip
+        if plan.prompt_logprobs is not None and not chat:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(first, plan.prompt_logprobs)
         if chat and reply.plan.tools is not None:
             content, tool_calls = parse(text, reply.plan.tools.parallel)
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -110,7 +148,10 @@ async def collect(calls, firsts, reply: Reply) -> dict[str, Any]:  # type: ignor
     completion = sum(u.completion_tokens for u in usages)
     firsts_of_prompts = usages[:: reply.plan.n]  # each prompt counts once, however many choices it has
     prompt = sum(u.prompt_tokens for u in firsts_of_prompts)
-    return reply.body(choices, usage(prompt, completion, sum(u.cached_prompt_tokens for u in firsts_of_prompts)))
+    body = reply.body(choices, usage(prompt, completion, sum(u.cached_prompt_tokens for u in firsts_of_prompts)))
+    if plan.prompt_logprobs is not None and chat:  # vLLM writes a chat's at the top
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(firsts[0], plan.prompt_logprobs)
+    return body
 
 
 def _tool_choices(
@@ -165,7 +206,10 @@ async def stream(calls, firsts, reply: Reply) -> AsyncIterator[bytes]:  # type: 
         for index, echo in enumerate(reply.echoes):
             if echo:
                 started[index] = True
-                yield event([_choice(reply, index, echo, None, first=True)])
+                choice = _choice(reply, index, echo, None, first=True)
+                if plan.echo_logprobs is not None:
+                    choice["logprobs"] = _echoed_logprobs(firsts[index], echo, plan.echo_logprobs)
+                yield event([choice])
         open_choices = len(calls)
         while open_choices:
             index, m = await queue.get()

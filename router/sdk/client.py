@@ -53,6 +53,7 @@ __all__ = [
     "InvalidArgument",
     "JsonObject",
     "JsonSchema",
+    "Logprob",
     "Regex",
     "ResourceExhausted",
     "TandemError",
@@ -76,6 +77,16 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
     logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability where it stands, and the top alternatives there (id, logprob)."""
+
+    token_id: int
+    token: str  # the text it completes
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,8 @@ class Completion:
     metadata: dict[str, str]  # the router's placement: "tandem-prefill", "tandem-decode", ...
     beams: list[Beam] = field(default_factory=list)  # beam search: every beam, best first
     speculation: Speculation | None = None  # when the request used speculative decoding
+    # With prompt_logprobs=n: each prompt token's after the first, with the top n at its position.
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
 
 
 def _settings(client, target, api_key, timeout, retries, backoff_s) -> None:  # type: ignore[no-untyped-def]
@@ -152,8 +165,13 @@ class _Assembler:
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.last: api_pb2.GenerateResponse | None = None
+        self.prompt_logprobs: list[Logprob] = []
 
     def add(self, m: api_pb2.GenerateResponse) -> None:
+        self.prompt_logprobs += [
+            Logprob(lp.token_id, lp.token, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in m.prompt_logprobs
+        ]
         self.text.append(m.text)
         self.tokens += m.token_ids
         self.last = m
@@ -171,6 +189,7 @@ class _Assembler:
             metadata=metadata,
             beams=[Beam(b.text, list(b.token_ids), b.score, _FINISH.get(b.finish_reason)) for b in last.beams],
             speculation=_speculation(last),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

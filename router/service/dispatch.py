@@ -104,6 +104,8 @@ class Dispatcher:
                 except NoCapacity as e:
                     raise Abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}") from None
             tokens = (stream.prompt, generated)
+            if (stream.chunks or generated) and params.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=None)  # the client has them: use the cache
             try:
                 rid = f"{worker_id}.{attempt}"
                 messages = self._attempt(rid, tokens, params, choice, context, carried, stream)
@@ -198,10 +200,14 @@ class Dispatcher:
         result: dict[str, object] = {}
         watcher, first = None, None
         if prefill_call is not None:
-            first = asyncio.get_running_loop().create_future() if self.settings.first_token_from_prefill else None
+            # The prefill worker's first message carries the prompt's logprobs: they wait for it.
+            early = self.settings.first_token_from_prefill or params.prompt_logprobs is not None
+            first = asyncio.get_running_loop().create_future() if early else None
             watcher = asyncio.create_task(watch_prefill(prefill_call, on_decode, result, first))
         try:
             async for message, arrived, source in self._relay(on_decode, first, tokens, params):
+                if params.prompt_logprobs is not None and first is not None and not stream.chunks:
+                    await self._with_prompt_logprobs(message, first, watcher, result, choice)
                 if watcher is not None and "cached" not in result and message.finish_reason:
                     # The decode worker finished before this loop heard the prefill worker's first message,
                     # which carries the prompt's cached tokens for the usage: its call has ended or soon will.
@@ -220,6 +226,21 @@ class Dispatcher:
             on_decode.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
+
+    @staticmethod
+    async def _with_prompt_logprobs(
+        message: worker_pb2.WorkerTokens, first: asyncio.Future, watcher: asyncio.Task, result: dict[str, object],
+        choice: Choice,
+    ) -> None:  # fmt: skip
+        """The request's first message, from the decode worker, gets the prompt's logprobs from the
+        prefill worker's first message (waited for, if the KV landed before the router heard it)."""
+        if message.prompt_logprobs:  # the prefill worker's own first token, streamed early
+            return
+        await asyncio.wait([first, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            code, details = result.get("error", (grpc.StatusCode.INTERNAL, "the prefill worker sent no first token"))  # type: ignore[misc]
+            raise Broken(code, details, "prefill", choice.prefill or "")
+        message.prompt_logprobs.extend(first.result()[0].prompt_logprobs)
 
     async def _relay(
         self, on_decode: OnWorker, first: asyncio.Future | None, tokens: tuple[list[int], list[int]],

@@ -216,7 +216,7 @@ class Router(worker_pb2_grpc.AdminServicer):
             self._in_flight += 1
             admitted = True
             stream = Stream(rid, prompt, received, self._targets(request))
-            if params.logprobs is not None:
+            if params.logprobs is not None or params.prompt_logprobs is not None:
                 stream.token_bytes = self.tokenizer.token_bytes
             if request.HasField("resume"):  # a stream whose router died: a migration with its tokens
                 stream.rid = request.resume.request_id

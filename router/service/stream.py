@@ -117,6 +117,7 @@ def early_first_token(msg: worker_pb2.WorkerTokens, text: str) -> worker_pb2.Wor
     what the decode worker's detokenizer will release for it."""
     early = worker_pb2.WorkerTokens(request_id=msg.request_id, text=text, token_ids=msg.token_ids)
     early.logprobs.extend(msg.logprobs)
+    early.prompt_logprobs.extend(msg.prompt_logprobs)
     return early
 
 
@@ -175,8 +176,13 @@ class Stream:
         self.sent.append(self.carry + msg.text)
         out = api_pb2.GenerateResponse(request_id=self.rid)
         if msg.logprobs and self.token_bytes is not None:
-            out.logprobs.extend(self._with_text(lp) for lp in msg.logprobs)
+            out.logprobs.extend(self._with_text(lp, self.utf8) for lp in msg.logprobs)
             del msg.logprobs[:]
+        if msg.prompt_logprobs and self.token_bytes is not None:
+            prompt_utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            prompt_utf8.decode(self.token_bytes(self.prompt[0]))  # the first token's text has no entry
+            out.prompt_logprobs.extend(self._with_text(lp, prompt_utf8) for lp in msg.prompt_logprobs)
+            del msg.prompt_logprobs[:]
         if self.carry:
             out.text, self.carry = self.carry + msg.text, ""
         if first:
@@ -195,12 +201,11 @@ class Stream:
             self.status, self.finish_reason = "ok", msg.finish_reason
         return msg.SerializeToString() + out.SerializeToString()
 
-    def _with_text(self, lp: api_pb2.TokenLogprob) -> api_pb2.TokenLogprob:
+    def _with_text(self, lp: api_pb2.TokenLogprob, utf8: codecs.IncrementalDecoder) -> api_pb2.TokenLogprob:
+        """`lp` with its token's bytes, and the text they complete in the text `utf8` decodes."""
         assert self.token_bytes is not None
         raw = self.token_bytes(lp.token_id)
-        entry = api_pb2.TokenLogprob(
-            token_id=lp.token_id, logprob=lp.logprob, token=self.utf8.decode(raw), token_bytes=raw
-        )
+        entry = api_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=utf8.decode(raw), token_bytes=raw)
         for top in lp.top:
             b = self.token_bytes(top.token_id)
             entry.top.add(token_id=top.token_id, logprob=top.logprob, token=b.decode(errors="replace"), token_bytes=b)

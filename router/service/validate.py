@@ -155,6 +155,7 @@ def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> 
         ("frequency_penalty", -2 <= m.frequency_penalty <= 2, "must be in [-2, 2]"),
         ("min_tokens", m.min_tokens <= max_tokens, f"must be <= max_tokens ({max_tokens})"),
         ("logprobs", not m.HasField("logprobs") or m.logprobs <= 20, "must be <= 20"),
+        ("prompt_logprobs", not m.HasField("prompt_logprobs") or m.prompt_logprobs <= 20, "must be <= 20"),
         ("stop", len(m.stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings"),
         ("stop", all(m.stop), "stop strings must not be empty"),
         ("stop", all(len(s) <= limits.max_stop_string_chars for s in m.stop), "a stop string is too long"),

@@ -74,7 +74,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "logprobs", "min_tokens", "speculative_tokens", "num_beams", "length_penalty", "early_stopping", "structured")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "logprobs", "min_tokens", "speculative_tokens", "num_beams", "length_penalty", "early_stopping", "structured", "prompt_logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class SamplingParams(_message.Message):
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -113,7 +114,8 @@ class SamplingParams(_message.Message):
     length_penalty: float
     early_stopping: EarlyStopping
     structured: Structured
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., speculative_tokens: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., structured: _Optional[_Union[Structured, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., speculative_tokens: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., structured: _Optional[_Union[Structured, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class LatencyBudget(_message.Message):
     __slots__ = ("ttft_seconds", "tpot_seconds")
@@ -190,7 +192,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "slo", "speculation", "beams", "prompt_tokens", "prompt_text")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "slo", "speculation", "beams", "prompt_tokens", "prompt_text", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,7 @@ class GenerateResponse(_message.Message):
     BEAMS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -213,7 +216,8 @@ class GenerateResponse(_message.Message):
     beams: _containers.RepeatedCompositeFieldContainer[Beam]
     prompt_tokens: int
     prompt_text: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., slo: _Optional[_Union[SloReport, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., slo: _Optional[_Union[SloReport, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "acceptance_rate", "tokens_per_pass")

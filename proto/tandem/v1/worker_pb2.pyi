@@ -63,7 +63,7 @@ class WorkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., decode_target: _Optional[str] = ..., capability: _Optional[bytes] = ..., remote_prefill: _Optional[bool] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "speculation", "beams", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "speculation", "beams", "prompt_logprobs", "num_prompt_tokens", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class WorkerTokens(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     BEAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -80,9 +81,10 @@ class WorkerTokens(_message.Message):
     finish_reason: _api_pb2.FinishReason
     speculation: _api_pb2.SpeculationStats
     beams: _containers.RepeatedCompositeFieldContainer[_api_pb2.Beam]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
     num_prompt_tokens: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., speculation: _Optional[_Union[_api_pb2.SpeculationStats, _Mapping]] = ..., beams: _Optional[_Iterable[_Union[_api_pb2.Beam, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., speculation: _Optional[_Union[_api_pb2.SpeculationStats, _Mapping]] = ..., beams: _Optional[_Iterable[_Union[_api_pb2.Beam, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
