@@ -48,6 +48,7 @@ class Frames:
 
     def __init__(self, core: ProcessCore) -> None:
         self.core, self.frames, self.tokens, self.texts, self.finished = core, [], {}, {}, {}
+        self.scored: dict[str, list] = {}  # each request's prompt logprobs
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=core.run, args=(self.take, self.stopped), daemon=True)
         self.thread.start()
@@ -57,6 +58,7 @@ class Frames:
         for out in frame.outputs:
             self.tokens.setdefault(out.request_id, []).extend(out.token_ids)
             self.texts[out.request_id] = self.texts.get(out.request_id, "") + out.text
+            self.scored.setdefault(out.request_id, []).extend(out.prompt_logprobs)
             if out.finished:
                 self.finished[out.request_id] = out
 
@@ -86,6 +88,7 @@ def requests() -> dict[str, tuple[list[int], SamplingParams]]:
         # would step it on if the front's stop did not reach it
         "stop": (DEF_ADD, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True, stop=["return"])),
         "short": ([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)),
+        "scored": (list(range(80, 100)), SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)),
     }
 
 
@@ -95,14 +98,23 @@ def test_the_core_streams_what_the_engine_in_this_process_streams(core):
     core, frames = core
     engine = build_engine(config())
     texts: dict[str, str] = {}
-    expected, finals = drive(engine, requests(), after_outputs=lambda out: texts.__setitem__(
-        out.request_id, texts.get(out.request_id, "") + out.text))  # fmt: skip
+    scored: list = []
+
+    def seen(out) -> None:  # type: ignore[no-untyped-def]
+        texts[out.request_id] = texts.get(out.request_id, "") + out.text
+        scored.extend(out.prompt_logprobs)
+
+    expected, finals = drive(engine, requests(), after_outputs=seen)
     assert finals["stop"].finish_reason == "stop" and texts["stop"].endswith('"""\n        '), "a stop string ends one"
     for rid, (prompt, params) in requests().items():
         core.add_request(rid, prompt, params)
     frames.wait_for(requests())
     assert {rid: frames.tokens[rid] for rid in requests()} == expected
     assert {rid: frames.texts[rid] for rid in requests()} == texts
+    assert len(frames.scored["scored"]) == len(requests()["scored"][0]) - 1
+    assert [t for t, _ in frames.scored["scored"]] == [t for t, _ in scored] == list(range(81, 100))
+    for (_, (lp, top)), (_, (expected_lp, expected_top)) in zip(frames.scored["scored"], scored, strict=True):
+        assert lp == pytest.approx(expected_lp, abs=1e-4) and [t for t, _ in top] == [t for t, _ in expected_top]
     assert {rid: out.finish_reason for rid, out in frames.finished.items() if rid in requests()} == {
         rid: out.finish_reason for rid, out in finals.items()
     }

@@ -68,13 +68,18 @@ def cluster():
     decode.stop()
 
 
-def generate_all(address: str, **sampling) -> list[tuple[list[int], str]]:  # type: ignore[no-untyped-def]
-    results: dict[int, tuple[list[int], str]] = {}
+def generate_all(address: str, **sampling) -> list[tuple[list[int], str, list[tuple[int, float]]]]:  # type: ignore[no-untyped-def]
+    """Each prompt's tokens, text and prompt logprobs (one per prompt token after the first, when
+    asked for: scored where the prompt was prefilled, in the core process or on the worker's
+    thread), run concurrently."""
+    results: dict[int, tuple[list[int], str, list[tuple[int, float]]]] = {}
     with Client(address, timeout=60) as client:
 
         def run(i: int) -> None:
             out = client.generate(PROMPTS[i], max_tokens=16, **sampling)
-            results[i] = (out.token_ids, out.text)
+            scored = [(lp.token_id, lp.logprob) for lp in out.prompt_logprobs]
+            assert len(scored) == (out.prompt_tokens - 1 if "prompt_logprobs" in sampling else 0)
+            results[i] = (out.token_ids, out.text, scored)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
@@ -84,13 +89,20 @@ def generate_all(address: str, **sampling) -> list[tuple[list[int], str]]:  # ty
     return [results[i] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}, {"temperature": 0.0, "prompt_logprobs": 1}],
+    ids=["greedy", "seeded", "prompt logprobs"],
+)
 def test_the_core_process_serves_what_the_engine_on_the_workers_thread_serves(cluster, sampling):
     prefills, _, routers, _ = cluster
     assert isinstance(prefills["process"].engine, ProcessCore) and isinstance(prefills["thread"].engine, ThreadCore)
     results = {core: generate_all(address, **sampling) for core, address in routers.items()}
-    assert results["process"] == results["thread"]
-    assert all(tokens for tokens, _ in results["process"])
+    for process, thread in zip(results["process"], results["thread"], strict=True):
+        assert process[:2] == thread[:2]
+        assert [t for t, _ in process[2]] == [t for t, _ in thread[2]]
+        assert [lp for _, lp in process[2]] == pytest.approx([lp for _, lp in thread[2]], abs=1e-4)
+    assert all(tokens for tokens, _, _ in results["process"])
     core = prefills["process"].engine
     wait_until(lambda: not core.stats().leased, "each transfer's answer releases its blocks in the core")
     stats = core.stats()
