@@ -45,17 +45,41 @@ def test_the_variant_is_chosen_by_the_cpus_flags(monkeypatch):
     assert cpu_kernels.variant() is None
 
 
-@pytest.mark.parametrize("name", [*cpu_kernels.VARIANTS, "portable"])
-def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
+VARIANTS = [*cpu_kernels.VARIANTS, "portable"]
+
+
+def why_not(name: str) -> str | None:
+    """Why this process does not run `name`'s kernel tests again, or None if it does."""
     needs = cpu_kernels.VARIANTS[name][0] if name in cpu_kernels.VARIANTS else set()
     if not needs <= cpu_flags():
-        pytest.skip(f"this CPU lacks {', '.join(sorted(needs - cpu_flags()))}")
+        return f"this CPU lacks {', '.join(sorted(needs - cpu_flags()))}"
     if name == cpu_kernels.variant():
-        pytest.skip(f"{name} is this process's own: test_cpu_kernels.py checks it in the suite's run")
-    env = {**os.environ, "TANDEM_CPU_KERNELS": name}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_kernels.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and " skipped" not in run.stdout.split("\n")[-2], run.stdout[-500:]
+        return f"{name} is this process's own: test_cpu_kernels.py checks it in the suite's run"
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every variant's run of the kernel tests, started at once, each on one thread: the vector code
+    is what differs between variants; the threading around it is the same in all of them, and the
+    suite's own run of test_cpu_kernels.py checks it on every core."""
+    started = {}
+    for name in VARIANTS:
+        if why_not(name) is None:
+            env = {**os.environ, "TANDEM_CPU_KERNELS": name, "OMP_NUM_THREADS": "1"}
+            started[name] = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_kernels.py"],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+    yield started
+    for run in started.values():
+        run.kill()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name, runs):
+    if (reason := why_not(name)) is not None:
+        pytest.skip(reason)
+    stdout, stderr = runs[name].communicate(timeout=900)
+    assert runs[name].returncode == 0, stdout[-4000:] + stderr[-2000:]
+    assert " passed" in stdout and " skipped" not in stdout.split("\n")[-2], stdout[-500:]
