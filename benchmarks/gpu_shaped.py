@@ -15,12 +15,18 @@ requests in flight (closed loop), by one of these paths (`--paths`, one row each
     routers N      through N real router processes (`tandem bench`'s async client, the SDK)
     routers N interval K   the same, the routers sending a client message per K tokens (`stream_interval`)
 
-Per row: the engine's steps/s against its ideal (1 / step time), the mean batch, the output tokens/s
-the clients received against the ideal (batch / step time), and each process's CPU per engine step:
-the engine core (all outside the model, which costs nothing here), the worker's front, the routers,
-the clients. Goals (the serving-path issue): ≥ 0.95 of the ideal steps/s at batch 256; the core ≤ 1 ms
-and the front ≤ 5 ms of CPU per step. Every process shares this machine's cores (2 here), so the row
-also says how many cores were busy. Prints a table, writes `benchmarks/results/gpu_shaped.{json,png}`.
+Each stream's first request is shortened by its place (`gpu_shaped_clients.staggered`), so requests
+end a few a step, as in a served cluster. By default the engine core has the first CPU to itself and
+every other process shares the rest (`--no-pin`: all share all), as a GPU server gives its engine core
+a core of its own.
+
+Per row: the engine's steps/s against its ideal (1 / step time), over the whole run (its ramp up and
+down included) and sustained (the middle 60 % of it), the mean batch, the output tokens/s the clients
+received against the ideal (batch / step time), and each process's CPU per engine step: the engine
+core (all outside the model, which costs nothing here), the worker's front, the routers, the
+clients. Goals (the serving-path issue): ≥ 0.95 of the ideal steps/s at batch 256; the core ≤ 1 ms
+and the front ≤ 5 ms of CPU per step. The row also says how many cores were busy. Prints a table,
+writes `benchmarks/results/gpu_shaped.{json,png}`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import collections
 import json
 import multiprocessing
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -216,10 +223,20 @@ def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # typ
     if router_procs:
         pids["routers"] = [proc.pid for proc, _ in router_procs]
     marks: dict[str, tuple] = {}
+    samples: list[tuple[float, int]] = []  # (time, engine steps) every 50 ms between the marks
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.05):
+            samples.append((time.perf_counter(), worker.engine.steps))
 
     def mark(name: str) -> None:
         marks[name] = ({n: sum(cpu_s(pid) for pid in ids) for n, ids in pids.items()}, worker.engine.steps,
                        time.perf_counter())  # fmt: skip
+        if name == "before":
+            threading.Thread(target=sample, daemon=True).start()
+        else:
+            sampling.set()
 
     try:
         go(start_clients(ctx, worker, targets, how, args.batch // 2, args))  # a warm-up round: a request a stream
@@ -233,11 +250,13 @@ def measure(worker, config, path: str, args: argparse.Namespace) -> dict:  # typ
     (cpu0, steps0, t0), (cpu1, steps1, t1) = marks["before"], marks["after"]
     wall, steps, tokens = t1 - t0, steps1 - steps0, sum(r["tokens"] for r in reports)
     ideal_steps = 1 / (args.step_ms / 1e3)
+    (t_a, s_a), (t_b, s_b) = samples[len(samples) // 5], samples[len(samples) * 4 // 5]  # the middle 60 %
     return {
         "path": path,
         "failed": sum(r["failed"] for r in reports),
         "steps_per_s": steps / wall,
         "steps_fraction_of_ideal": steps / wall / ideal_steps,
+        "sustained_steps_fraction_of_ideal": (s_b - s_a) / (t_b - t_a) / ideal_steps,
         "mean_batch": tokens / steps if steps else 0.0,
         "tokens_per_s": tokens / wall,
         "tokens_fraction_of_ideal": tokens / wall / (args.batch * ideal_steps),
@@ -258,9 +277,15 @@ def main() -> None:
         "stream per client) or through N router processes (`routers N`, with `interval K` the routers' "
         "stream_interval)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-pin", action="store_true",
+        help="let every process share every core (by default the engine core has CPU 0 to itself and the "
+        "front, routers and clients share the rest, as a GPU server gives its engine core a core of its own)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import functools
+    import os
 
     from cluster.cpu import cpu_kind
     from decode_worker import service as decode_service
@@ -269,6 +294,13 @@ def main() -> None:
     config = bench_config(args.batch)
     main_fn = functools.partial(stand_in_main, step_s=args.step_ms / 1e3)
     core = ProcessCore.spawn(config, "decode-0", main=main_fn)
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = not args.no_pin and len(cpus) > 1
+    if pinned:  # the core (its threads too) on the first CPU; this process and all it starts on the others
+        time.sleep(0.5)  # its loop's threads are up
+        for thread in os.listdir(f"/proc/{core.process.pid}/task"):
+            os.sched_setaffinity(int(thread), cpus[:1])
+        os.sched_setaffinity(0, cpus[1:])
     worker = decode_service.around(config, "decode-0", core, core.info.fingerprint)
     worker.start()
     rows = []
@@ -279,7 +311,8 @@ def main() -> None:
     finally:
         worker.stop()
     out = {"cpu": cpu_kind(), "cores": multiprocessing.cpu_count(), "batch": args.batch, "step_ms": args.step_ms,
-           "tokens": args.tokens, "rows": rows}  # fmt: skip
+           "tokens": args.tokens, "pinned": {"engine core": cpus[:1], "the rest": cpus[1:]} if pinned else None,
+           "rows": rows}  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gpu_shaped.json").write_text(json.dumps(out, indent=2))
     plot(out, RESULTS / "gpu_shaped.png")
@@ -289,7 +322,8 @@ def main() -> None:
 def print_row(row: dict) -> None:
     cpu = ", ".join(f"{name} {ms:.2f}" for name, ms in row["cpu_ms_per_step"].items())
     print(
-        f"{row['path']}: {row['steps_per_s']:.1f} steps/s ({row['steps_fraction_of_ideal']:.2f} of ideal), "
+        f"{row['path']}: {row['steps_per_s']:.1f} steps/s ({row['steps_fraction_of_ideal']:.2f} of ideal, "
+        f"{row['sustained_steps_fraction_of_ideal']:.2f} sustained: the middle 60 % of the run), "
         f"mean batch {row['mean_batch']:.0f}, {row['tokens_per_s']:,.0f} tok/s at the clients "
         f"({row['tokens_fraction_of_ideal']:.2f} of ideal), {row['failed']} failed; CPU ms per step: {cpu}; "
         f"{row['cpu_cores_busy']:.2f} cores busy"

@@ -1,11 +1,22 @@
 """The client processes of `benchmarks/gpu_shaped.py`: through routers with `tandem bench`'s client, or
 straight to the decode worker by `Worker.Submit` or `Worker.Steps`. Each reports ready after its imports,
-starts on "go", and sends back its tokens and failures."""
+starts on "go", and sends back its tokens and failures.
+
+Each stream's first request is shorter than the rest by its place among the streams (`staggered`), so
+requests end a few a step, as in a served cluster, and never all in one step: a closed loop whose
+requests all started together would finish them together and leave the engine waiting a round trip
+for the next batch once every `max_tokens` steps."""
 
 from __future__ import annotations
 
 import argparse
 import time
+
+
+def staggered(i: int, concurrency: int, max_tokens: int) -> int:
+    """Request `i`'s output length: the first `concurrency` (one per stream) end 1/concurrency of
+    `max_tokens` apart; the others are `max_tokens` long."""
+    return max(1, max_tokens * (i + 1) // concurrency) if i < concurrency else max_tokens
 
 
 def run_clients(target: str, n: int, concurrency: int, max_tokens: int, conn) -> None:  # type: ignore[no-untyped-def]
@@ -14,7 +25,10 @@ def run_clients(target: str, n: int, concurrency: int, max_tokens: int, conn) ->
 
     from cli.bench import BenchRequest, _drive
 
-    requests = [BenchRequest([100 + (i * 7 + j) % 1500 for j in range(16)], max_tokens) for i in range(n)]
+    requests = [
+        BenchRequest([100 + (i * 7 + j) % 1500 for j in range(16)], staggered(i, concurrency, max_tokens))
+        for i in range(n)
+    ]
     conn.send("ready")
     conn.recv()  # go: every client starts at once, after its imports
     args = argparse.Namespace(seed=0, concurrency=concurrency, rate=float("inf"), burstiness=1.0, timeout=600.0,
@@ -32,21 +46,26 @@ def run_front_clients(address: str, mode: str, n: int, concurrency: int, max_tok
 
     from tandem.v1 import api_pb2, worker_pb2
 
-    params = api_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-
     def request(i: int) -> worker_pb2.WorkerRequest:
         prompt = [100 + (i * 7 + j) % 1500 for j in range(16)]
+        params = api_pb2.SamplingParams(
+            max_tokens=staggered(i, concurrency, max_tokens), ignore_eos=True, temperature=0.0
+        )
         return worker_pb2.WorkerRequest(request_id=f"{os.getpid()}-{i}", prompt_token_ids=prompt, sampling=params)
 
-    conn.send("ready")
-    conn.recv()  # go: every client starts at once, after its imports
-    started = time.perf_counter()
-    tokens, failed = (_steps_client if mode == "steps" else _submit_client)(address, request, n, concurrency)
+    def start() -> float:
+        """Ready (imported and connected), then the time of the go: every client starts at once."""
+        conn.send("ready")
+        conn.recv()
+        return time.perf_counter()
+
+    client = _steps_client if mode == "steps" else _submit_client
+    tokens, failed, started = client(address, request, n, concurrency, start)
     conn.send({"duration_s": time.perf_counter() - started, "completed": n - failed, "failed": failed,
                "tokens": tokens})  # fmt: skip
 
 
-def _steps_client(address: str, request, n: int, concurrency: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def _steps_client(address: str, request, n: int, concurrency: int, start) -> tuple[int, int, float]:  # type: ignore[no-untyped-def]
     import queue
 
     import grpc
@@ -54,6 +73,8 @@ def _steps_client(address: str, request, n: int, concurrency: int) -> tuple[int,
 
     commands: queue.Queue = queue.Queue()
     with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+        started = start()
         frames = worker_pb2_grpc.WorkerStub(channel).Steps(iter(commands.get, None))
         sent = done = tokens = failed = 0
         for _ in range(min(concurrency, n)):
@@ -71,18 +92,20 @@ def _steps_client(address: str, request, n: int, concurrency: int) -> tuple[int,
             if done >= n:
                 break
         commands.put(None)
-    return tokens, failed
+    return tokens, failed, started
 
 
-def _submit_client(address: str, request, n: int, concurrency: int) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def _submit_client(address: str, request, n: int, concurrency: int, start) -> tuple[int, int, float]:  # type: ignore[no-untyped-def]
     import asyncio
 
     import grpc
     from tandem.v1 import worker_pb2_grpc
 
-    async def drive() -> tuple[int, int]:
+    async def drive() -> tuple[int, int, float]:
         limit = asyncio.Semaphore(concurrency)
         async with grpc.aio.insecure_channel(address) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 60)
+            started = await asyncio.to_thread(start)
             stub = worker_pb2_grpc.WorkerStub(channel)
 
             async def one(i: int) -> tuple[int, int]:
@@ -93,6 +116,6 @@ def _submit_client(address: str, request, n: int, concurrency: int) -> tuple[int
                         return 0, 1
 
             results = await asyncio.gather(*(one(i) for i in range(n)))
-        return sum(r[0] for r in results), sum(r[1] for r in results)
+        return sum(r[0] for r in results), sum(r[1] for r in results), started
 
     return asyncio.run(drive())

@@ -27,7 +27,7 @@ from cluster.engine.core_process import IDLE_WAKE_S, CoreLoop
 from cluster.engine.kv_events import KVBatch
 from cluster.model.arch import ModelArch
 from decode_worker.engine import Engine
-from decode_worker.text import RequestOutput
+from decode_worker.text import RequestOutput, pack_outputs, unpack_outputs
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,14 @@ class Frame:
     failed: str | None = None
     steps: int = 0  # the engine's steps so far
     taken: int = -1  # the last command the core applied (its call id; commands come in id order)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its outputs as columns (`pack_outputs`): a frame of a few hundred outputs
+        crosses the pipe several times faster than object by object."""
+        return {**self.__dict__, "outputs": pack_outputs(self.outputs)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, outputs=unpack_outputs(state["outputs"]))
 
 
 OnFrame = Callable[[Frame], None]

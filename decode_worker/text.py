@@ -50,6 +50,48 @@ class RequestOutput:
     beams: list[BeamOutput] = field(default_factory=list)  # beam search: every beam, best first, at the end
 
 
+_COUNTS = (
+    "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "num_passes", "num_draft_tokens",
+    "num_accepted_tokens",
+)  # fmt: skip
+_RARE = ("text", "logprobs", "prompt_logprobs", "beams")  # empty in most outputs of a served core
+
+
+def pack_outputs(outputs: Sequence[RequestOutput]) -> tuple:
+    """A step's outputs as columns of plain values, for the pipe from an engine core to its front:
+    ids, tokens and counts in lists, finish reasons and the rarely set fields by index. Pickled, a
+    list of dataclasses costs an object's state per output on both ends; this costs a few lists."""
+    ids = [o.request_id for o in outputs]
+    tokens = [o.token_ids for o in outputs]
+    counts = [
+        (o.num_prompt_tokens, o.num_cached_tokens, o.num_output_tokens, o.num_passes, o.num_draft_tokens,
+         o.num_accepted_tokens)
+        for o in outputs
+    ]  # fmt: skip
+    ends = {i: o.finish_reason for i, o in enumerate(outputs) if o.finished}
+    rare = {
+        i: {name: getattr(o, name) for name in _RARE if getattr(o, name)}
+        for i, o in enumerate(outputs)
+        if o.text or o.logprobs or o.prompt_logprobs or o.beams
+    }
+    return ids, tokens, counts, ends, rare
+
+
+def unpack_outputs(packed: tuple) -> list[RequestOutput]:
+    """The outputs `pack_outputs` packed, equal to them."""
+    ids, tokens, counts, ends, rare = packed
+    outputs = [
+        RequestOutput(rid, token_ids, **dict(zip(_COUNTS, c, strict=True)))
+        for rid, token_ids, c in zip(ids, tokens, counts, strict=True)
+    ]
+    for i, reason in ends.items():
+        outputs[i].finished, outputs[i].finish_reason = True, reason
+    for i, fields in rare.items():
+        for name, value in fields.items():
+            setattr(outputs[i], name, value)
+    return outputs
+
+
 def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their tokens, text and logprobs in order, and the
     last one's state (finish, counts, beams). A stream that fell behind sends what it owes at once."""

@@ -7,6 +7,7 @@ other streams. The demo model, real gRPC, no Ray."""
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -23,6 +24,7 @@ from cluster.engine.request import SamplingParams
 from decode_worker import service as decode_service
 from decode_worker.core import ProcessCore
 from decode_worker.engine_loop import Frame, build_engine
+from decode_worker.text import BeamOutput, RequestOutput
 from router.sdk.client import Client
 from router.service.server import from_config
 from tests.conftest import drive
@@ -250,7 +252,6 @@ def test_a_client_that_reads_nothing_holds_up_neither_the_engine_nor_the_other_s
 
 def test_a_stream_that_lags_sends_what_it_owes_in_one_message():
     from decode_worker.steps import caught_up, tokens_message
-    from decode_worker.text import RequestOutput
 
     lp = (-0.5, [(1, -0.5)])
     queued = queue.Queue()
@@ -366,3 +367,19 @@ def test_a_refused_submit_is_answered_before_any_frame_counts_it_taken():
     reply = next(i for i, m in enumerate(messages) if isinstance(m, tuple) and m[0] == 1)
     assert not messages[reply][1] and "refused" in str(messages[reply][2])
     assert all(m.taken < 1 for m in messages[:reply] if isinstance(m, Frame)), messages
+
+
+def test_a_frames_outputs_cross_the_pipe_as_columns_and_come_back_equal():
+    outputs = [
+        RequestOutput("plain", [7], num_prompt_tokens=20, num_output_tokens=3, num_passes=3),
+        RequestOutput("done", [8, 9], finished=True, finish_reason="length", num_prompt_tokens=4,
+                      num_cached_tokens=16, num_output_tokens=9, num_passes=5, num_draft_tokens=6,
+                      num_accepted_tokens=4),
+        RequestOutput("scored", [3], logprobs=[(-0.5, [(3, -0.5), (4, -1.5)])],
+                      prompt_logprobs=[(11, (-2.0, [(12, -1.0)]))], text="x"),
+        RequestOutput("beams", [1, 2], finished=True, finish_reason="stop",
+                      beams=[BeamOutput([1, 2], "ab", -0.25, "stop")]),
+    ]  # fmt: skip
+    frame = Frame(outputs, steps=3, taken=7)
+    assert pickle.loads(pickle.dumps(frame)) == frame
+    assert pickle.loads(pickle.dumps(Frame())) == Frame()
