@@ -296,7 +296,7 @@ class Engine:
         out = RequestOutput(
             request_id=request.request_id,
             token_ids=tokens,
-            logprobs=list(logprobs) if logprobs is not None and request.params.logprobs is not None else [],
+            logprobs=list(logprobs) if logprobs is not None and request.params.logprobs is not None else (),
             prompt_logprobs=request.take_prompt_logprobs(),
             finished=request.finished,
             finish_reason=request.finish_reason,

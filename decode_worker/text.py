@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.engine.detokenizer import Decoder, IncrementalDetokenizer
 from cluster.engine.sampler import TokenLogprob
@@ -36,9 +36,11 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]  # new this step
     text: str = ""  # new this step
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The sequences below default to an empty tuple, not a new list: a step makes an output per
+    # running request, and a default factory per field tripled what each one cost.
+    logprobs: Sequence[TokenLogprob] = ()
     # With the first token, when asked for: (token id, its logprob) for each prompt token after the first.
-    prompt_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: Sequence[tuple[int, TokenLogprob]] = ()
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -47,13 +49,9 @@ class RequestOutput:
     num_passes: int = 0  # target-model passes that gave this request tokens
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # and kept
-    beams: list[BeamOutput] = field(default_factory=list)  # beam search: every beam, best first, at the end
+    beams: Sequence[BeamOutput] = ()  # beam search: every beam, best first, at the end
 
 
-_COUNTS = (
-    "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "num_passes", "num_draft_tokens",
-    "num_accepted_tokens",
-)  # fmt: skip
 _RARE = ("text", "logprobs", "prompt_logprobs", "beams")  # empty in most outputs of a served core
 
 
@@ -81,9 +79,12 @@ def unpack_outputs(packed: tuple) -> list[RequestOutput]:
     """The outputs `pack_outputs` packed, equal to them."""
     ids, tokens, counts, ends, rare = packed
     outputs = [
-        RequestOutput(rid, token_ids, **dict(zip(_COUNTS, c, strict=True)))
+        RequestOutput(
+            rid, token_ids, num_prompt_tokens=c[0], num_cached_tokens=c[1], num_output_tokens=c[2],
+            num_passes=c[3], num_draft_tokens=c[4], num_accepted_tokens=c[5],
+        )
         for rid, token_ids, c in zip(ids, tokens, counts, strict=True)
-    ]
+    ]  # fmt: skip
     for i, reason in ends.items():
         outputs[i].finished, outputs[i].finish_reason = True, reason
     for i, fields in rare.items():
@@ -143,7 +144,7 @@ class TextStreams:
                 if dropped or not out.finished:  # a stop on a step's last token that also ended it keeps its reason
                     out.finish_reason = "stop"
                 del out.token_ids[n:]
-                del out.logprobs[n:]
+                out.logprobs = out.logprobs[:n]
                 out.num_output_tokens -= dropped
                 out.finished = True
                 break

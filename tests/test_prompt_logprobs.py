@@ -87,7 +87,7 @@ def test_a_one_token_prompt_has_no_prompt_logprobs_and_beam_search_refuses_them(
     model, _ = llama
     engine = Engine(model, NoText(), BIG_CACHE, BATCHING)
     engine.add_request("a", [17], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
-    assert [out.prompt_logprobs for out in outputs(engine)["a"]] == [[], []]
+    assert [list(out.prompt_logprobs) for out in outputs(engine)["a"]] == [[], []]
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(num_beams=2, prompt_logprobs=1)
     with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
