@@ -1,11 +1,14 @@
-"""Few-row products: `tandem_cpu::skinny_linear` against torch's `F.linear`, side by side in one run.
+"""Few-row products: `tandem_cpu::skinny_linear` against torch's `F.linear`, and
+`tandem_cpu::skinny_linear_int8` against torch's `_weight_int8pack_mm` on int8 weights, side by side
+in one run.
 
     .venv/bin/python benchmarks/skinny_linear.py [--layers 30] [--threads 2]
 
 The weights of `--layers` layers of the `smollm-135m` preset (the fused q/k/v, output, gate/up and
 down projections: 3.5M parameters a layer; all 30 layers are 212 MB in bfloat16, far more than the
-last-level cache holds, as in a decode step), in float32 and bfloat16. For each row count from 1 to
-64, both kernels run every matrix once, repeats interleaved; the median time gives the weight bytes
+last-level cache holds, as in a decode step), in float32 and bfloat16, and as int8 weights with a
+scale per row under float32 and bfloat16 activations. For each row count (1 to 64; int8 1 to 16),
+both kernels run every matrix once, repeats interleaved; the median time gives the weight bytes
 read per second, the arithmetic rate and the ratio. `F.linear` here multiplies unpacked weights;
 compiled decode graphs hand torch's products weights prepacked for oneDNN, which is faster from
 about 24 bfloat16 rows (see `cluster.model.cpu_kernels.SKINNY_ROWS`). Prints a table, writes
@@ -28,15 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cluster.model import cpu_kernels  # noqa: E402
+from cluster.model.quant import quantize_int8  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # smollm-135m: qkv, o, gate_up, down
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+INT8_ROWS = (1, 2, 4, 8, 16)  # int8 products go through the kernel up to `quant.INT8_SKINNY_ROWS`
 
 
-def products(op, xs: dict[int, torch.Tensor], weights: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-    """Runs `op(x, w)` for every weight matrix, with the input rows of its width."""
-    return lambda: [op(xs[w.shape[1]], w) for w in weights]
+def products(op, xs: dict[int, torch.Tensor], weights: list):  # type: ignore[no-untyped-def]
+    """Runs `op(x, w)` (`op(x, q, scales)` for int8 weights) for every weight matrix, with the input
+    rows of its width."""
+    return lambda: [op(xs[w[0].shape[1]], *w) if isinstance(w, tuple) else op(xs[w.shape[1]], w) for w in weights]
 
 
 def median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -61,26 +67,38 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     rows_out = []
-    print(f"{'dtype':9} {'rows':>4} {'skinny GB/s':>11} {'GFLOP/s':>8} {'F.linear GB/s':>13} {'GFLOP/s':>8} ratio")
-    for dtype in (torch.float32, torch.bfloat16):
-        weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(args.layers) for n, k in SHAPES]
-        nbytes = sum(w.numel() * w.element_size() for w in weights)
-        params = sum(w.numel() for w in weights)
-        for rows in ROWS:
+    print(f"{'weights':14} {'rows':>4} {'Tandem GB/s':>11} {'GFLOP/s':>8} {'torch GB/s':>10} {'GFLOP/s':>8} ratio")
+    int8 = torch.ops.tandem_cpu.skinny_linear_int8
+    cases = [  # (label, activations' dtype, int8 weights, Tandem's op, torch's op, row counts)
+        ("float32", torch.float32, False, torch.ops.tandem_cpu.skinny_linear, F.linear, ROWS),
+        ("bfloat16", torch.bfloat16, False, torch.ops.tandem_cpu.skinny_linear, F.linear, ROWS),
+        ("int8 float32", torch.float32, True, int8, torch._weight_int8pack_mm, INT8_ROWS),
+        ("int8 bfloat16", torch.bfloat16, True, int8, torch._weight_int8pack_mm, INT8_ROWS),
+    ]
+    for label, dtype, quantised, ours, theirs, row_counts in cases:
+        dense = [torch.randn(n, k, generator=gen) for _ in range(args.layers) for n, k in SHAPES]
+        if quantised:  # (int8 weights, a scale per row in the activations' dtype) for the int8 ops
+            weights = [(q, s.to(dtype)) for q, s in map(quantize_int8, dense)]
+            nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in weights)
+        else:
+            weights = [w.to(dtype) for w in dense]
+            nbytes = sum(w.numel() * w.element_size() for w in weights)
+        params = sum(w.numel() for w in dense)
+        for rows in row_counts:
             xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in SHAPES}
             ts, tt = [], []
             for _ in range(3):  # interleaved rounds, so drift hits both alike
-                ts.append(median_time(products(torch.ops.tandem_cpu.skinny_linear, xs, weights), args.repeats // 3))
-                tt.append(median_time(products(F.linear, xs, weights), args.repeats // 3))
+                ts.append(median_time(products(ours, xs, weights), args.repeats // 3))
+                tt.append(median_time(products(theirs, xs, weights), args.repeats // 3))
             t_s, t_t = statistics.median(ts), statistics.median(tt)
-            r = {"dtype": str(dtype).removeprefix("torch."), "rows": rows,
+            r = {"dtype": label, "rows": rows,
                  "skinny_GBps": nbytes / t_s / 1e9, "skinny_GFLOPs": 2 * rows * params / t_s / 1e9,
                  "torch_GBps": nbytes / t_t / 1e9, "torch_GFLOPs": 2 * rows * params / t_t / 1e9,
                  "ratio": t_t / t_s}  # fmt: skip
             rows_out.append(r)
             print(
-                f"{r['dtype']:9} {rows:>4} {r['skinny_GBps']:>11.1f} {r['skinny_GFLOPs']:>8.0f} "
-                f"{r['torch_GBps']:>13.1f} {r['torch_GFLOPs']:>8.0f} {r['ratio']:>5.2f}x"
+                f"{label:14} {rows:>4} {r['skinny_GBps']:>11.1f} {r['skinny_GFLOPs']:>8.0f} "
+                f"{r['torch_GBps']:>10.1f} {r['torch_GFLOPs']:>8.0f} {r['ratio']:>5.2f}x"
             )
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"layers": args.layers, "shapes": SHAPES, "threads": args.threads, "used_up_to": {
@@ -97,14 +115,14 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for dtype, style in (("float32", "--"), ("bfloat16", "-")):
+    for dtype, style in (("float32", "--"), ("bfloat16", "-"), ("int8 float32", ":"), ("int8 bfloat16", "-.")):
         mine = [r for r in rows if r["dtype"] == dtype]
         xs = [r["rows"] for r in mine]
-        axes[0].plot(xs, [r["skinny_GBps"] for r in mine], style, marker="o", label=f"skinny_linear {dtype}")
-        axes[0].plot(xs, [r["torch_GBps"] for r in mine], style, marker="x", label=f"F.linear {dtype}")
+        axes[0].plot(xs, [r["skinny_GBps"] for r in mine], style, marker="o", label=f"Tandem {dtype}")
+        axes[0].plot(xs, [r["torch_GBps"] for r in mine], style, marker="x", label=f"torch {dtype}")
         axes[1].plot(xs, [r["ratio"] for r in mine], style, marker="o", label=dtype)
     axes[0].set(title="weight bytes read per second", xlabel="rows", ylabel="GB/s", xscale="log", xticks=ROWS)
-    axes[1].set(title="skinny_linear speed-up over F.linear", xlabel="rows", xscale="log", xticks=ROWS)
+    axes[1].set(title="Tandem's kernel's speed-up over torch's", xlabel="rows", xscale="log", xticks=ROWS)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     for ax in axes:
         ax.set_xticklabels([str(r) for r in ROWS])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from cluster.model import cpu_kernels
 from cluster.model.attention import (
@@ -18,6 +19,7 @@ from cluster.model.attention import (
 )
 from cluster.model.causal_lm import Linear
 from cluster.model.cpu_kernels import SKINNY_MAX_ROWS, SKINNY_ROWS
+from cluster.model.quant import INT8_SKINNY_ROWS, Int8Linear, quantize_int8
 
 BLOCK = 8
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")
@@ -265,6 +267,44 @@ def test_skinny_linear_refuses_what_it_cannot_do():
         torch.ops.tandem_cpu.skinny_linear(x.bfloat16(), w)
     with pytest.raises(RuntimeError, match=r"x \[rows, k\] and weight \[n, k\]"):
         torch.ops.tandem_cpu.skinny_linear(x[:, :95], w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 40)])
+def test_skinny_linear_int8_equals_the_dequantised_product(dtype, n, k):
+    """int8 weights with a scale per row, widened in registers: every row count of a group, several
+    groups, vector and scalar widths, weights split across threads and tiles; the output in the
+    activations' dtype, equal to the product with the weights dequantised."""
+    x, w = _weights(n, k, torch.float32)
+    q, scales = quantize_int8(w)
+    for rows in [*range(1, 9), 12, 17, SKINNY_MAX_ROWS]:
+        got = torch.ops.tandem_cpu.skinny_linear_int8(x[:rows].to(dtype), q, scales.to(dtype))
+        expected = F.linear(x[:rows].to(dtype).float(), q.float() * scales.to(dtype).float()[:, None])
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * k**0.5)
+    with pytest.raises(RuntimeError, match="int8 weights"):
+        torch.ops.tandem_cpu.skinny_linear_int8(x, w, scales)
+    with pytest.raises(RuntimeError, match="a scale per weight row"):
+        torch.ops.tandem_cpu.skinny_linear_int8(x, q, scales[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layers_use_the_kernel_eager_and_in_float32_graphs(dtype):
+    """`Int8Linear`'s few-row products, eager and compiled, equal the dequantised product; the
+    kernel runs them except in compiled bfloat16 graphs, which keep inductor's int8 product."""
+    gen = torch.Generator().manual_seed(3)
+    layer = Int8Linear.from_linear(nn.Linear(96, 40, bias=True).to(dtype))
+    assert Int8Linear._skinny(dtype) == cpu_kernels.used(), "eager, the kernel runs wherever the kernels do"
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    for rows in (1, 3, INT8_SKINNY_ROWS + 1):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        with torch.inference_mode():
+            expected = F.linear(x.float(), layer.dense().float(), layer.bias.float())
+            for got in (layer(x), compiled(x)):
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10)
+    torch._dynamo.reset()
 
 
 def _layer(dtype: torch.dtype) -> Linear:

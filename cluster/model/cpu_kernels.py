@@ -142,6 +142,7 @@ _library.define(
     " int[] num_cached, float scale, int? window) -> Tensor"
 )
 _library.define("skinny_linear(Tensor x, Tensor weight) -> Tensor")
+_library.define("skinny_linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor")
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used. It beats torch's GEMM on the CPUs measured at every
 # row count in float32 (`benchmarks/skinny_linear.py`). In bfloat16 it beats `F.linear` at every
@@ -164,4 +165,9 @@ def _(q, k_cache, v_cache, block_tables, num_new, num_cached, scale, window):  #
 
 @torch.library.register_fake("tandem_cpu::skinny_linear")
 def _(x, weight):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("tandem_cpu::skinny_linear_int8")
+def _(x, weight, scales):  # type: ignore[no-untyped-def]
     return x.new_empty(x.shape[0], weight.shape[0])

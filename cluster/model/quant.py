@@ -5,8 +5,9 @@ swaps each `nn.Linear` of a built model for a module holding smaller weights, in
 layers' code does not change (nothing in the model asks whether it is quantised):
 
 - `int8`: one signed byte per weight and one scale per output channel (symmetric, max-abs / 127);
-  the product is torch's int8 weight-only kernel (`torch._weight_int8pack_mm`), which reads the
-  int8 matrix and scales in its inner loop.
+  a product of up to `INT8_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int8` where the
+  CPU kernels run (`cpu_kernels.used()`), which streams each weight row once and widens it in
+  registers; else torch's int8 weight-only kernel (`torch._weight_int8pack_mm`).
 - `int4`: half a byte per weight, with a scale and an offset per `group_size` input columns of each
   output channel (asymmetric, min / max); the product is torch's int4 kernel
   (`torch._weight_int4pack_mm_for_cpu`) over weights packed once at load
@@ -33,8 +34,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from cluster.model import cpu_kernels
+
 WEIGHT_DTYPES = ("auto", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
+INT8_SKINNY_ROWS = 16  # up to how many rows an int8 product goes through `tandem_cpu::skinny_linear_int8`
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +87,26 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        if flat.shape[0] >= self.dense_from_rows:
+        rows = flat.shape[0]
+        if rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
+        elif rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu" and self._skinny(flat.dtype):
+            y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self.scales)
         else:
             y = torch._weight_int8pack_mm(flat, self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def _skinny(dtype: torch.dtype) -> bool:
+        """Whether a few rows go through `tandem_cpu::skinny_linear_int8`: where the CPU kernels run,
+        except in a compiled bfloat16 graph, where inductor's own int8 product is faster (a SmolLM2
+        step 7.8 against 8.8 ms); in float32, compiled or not, torch's int8 product is the slow one
+        (60.9 against 8.8 ms compiled, 67.1 against 16.1 eager)."""
+        if dtype == torch.bfloat16 and torch.compiler.is_compiling():
+            return False
+        return cpu_kernels.used()
 
 
 class Int4Linear(nn.Module):

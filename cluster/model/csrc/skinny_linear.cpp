@@ -7,6 +7,10 @@
 // eight, or one sequence verifying seven draft tokens) reads the weights as often as a step with one.
 // Several weight rows are in flight at a time to keep independent accumulator chains busy.
 //
+// `skinny_linear_int8` is the same product over int8 weights with a scale per weight row (per output
+// channel, `cluster.model.quant.Int8Linear`): each row is widened in registers and its sum scaled
+// once, so a step reads one byte a weight.
+//
 // The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
 
@@ -48,10 +52,11 @@ inline void prefetch_first(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(first + b, 0, 3);
 }
 
-// y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), with x in float32, `Rows` rows of length k;
-// accumulated in float32, stored in the weights' dtype.
-template <int Rows, typename W>
-void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, W* y, int64_t ldy) {
+// y[m * ldy + n] = <x[m], w[n]> (times scale[n] where `scale` is given) for n in [n0, n1), with x in
+// float32, `Rows` rows of length k; accumulated in float32, stored as Y.
+template <int Rows, typename W, typename Y>
+void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, Y* y, int64_t ldy,
+             const float* scale = nullptr) {
 #if defined(TANDEM_SIMD)
   if (k % kLanes == 0) {
     for (int64_t n = n0; n < n1; ++n) {
@@ -63,16 +68,18 @@ void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, W* y
         const vfloat wv = vload(row + c);
         for (int m = 0; m < Rows; ++m) acc[m] = vfmadd(vload(x + m * k + c), wv, acc[m]);
       }
-      for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<W>(vsum(acc[m]));
+      const float s = scale != nullptr ? scale[n] : 1.f;
+      for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<Y>(vsum(acc[m]) * s);
     }
     return;
   }
 #endif
   for (int64_t n = n0; n < n1; ++n) {
+    const float s = scale != nullptr ? scale[n] : 1.f;
     for (int m = 0; m < Rows; ++m) {
-      float s = 0.f;
-      for (int64_t c = 0; c < k; ++c) s += x[m * k + c] * widen(w[n * k + c]);
-      y[m * ldy + n] = static_cast<W>(s);
+      float sum = 0.f;
+      for (int64_t c = 0; c < k; ++c) sum += x[m * k + c] * widen(w[n * k + c]);
+      y[m * ldy + n] = static_cast<Y>(sum * s);
     }
   }
 }
@@ -160,6 +167,47 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
+at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "skinny_linear_int8 takes x [rows, k] and weight [n, k]");
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "skinny_linear_int8 takes int8 weights");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == weight.size(0), "skinny_linear_int8 takes a scale per weight row");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_int8 runs on CPU tensors");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear_int8 takes at most ", kMaxRows, " rows, not ", x.size(0));
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const int64_t row_bytes = std::max<int64_t>(1, k);
+  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      prefetch_first(wp + n0 * k, (n1 - n0) * row_bytes);
+      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+        product<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n, sp);
+      });
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "skinny_linear_int8 takes float32, bfloat16 or float16 activations");
+  }
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear_int8", &skinny_linear_int8);
+}
