@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model import cpu_kernels
+from cluster.model import cpu_kernels, quant
 from cluster.model.attention import (
     SeqChunk,
     _attend_padded,
@@ -19,7 +19,7 @@ from cluster.model.attention import (
 )
 from cluster.model.causal_lm import Linear
 from cluster.model.cpu_kernels import SKINNY_MAX_ROWS, SKINNY_ROWS
-from cluster.model.quant import INT8_SKINNY_ROWS, Int8Linear, quantize_int8
+from cluster.model.quant import INT8_SKINNY_ROWS, Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
 BLOCK = 8
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernels")
@@ -290,21 +290,53 @@ def test_skinny_linear_int8_equals_the_dequantised_product(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_layers_use_the_kernel_eager_and_in_float32_graphs(dtype):
-    """`Int8Linear`'s few-row products, eager and compiled, equal the dequantised product; the
-    kernel runs them except in compiled bfloat16 graphs, which keep inductor's int8 product."""
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 96, 32), (304, 576, 64), (16, 256, 128)])
+def test_skinny_linear_int4_equals_the_dequantised_product(dtype, n, k, group):
+    """4-bit weights two to a byte with a scale and a minimum per group: every row count of a group
+    of rows, several groups, weights split across threads and tiles, each group size; equal to the
+    product with the weights dequantised (`Int4Linear.dense`)."""
+    x, w = _weights(n, k, torch.float32)
+    layer = Int4Linear.from_linear(nn.Linear(k, n, bias=False).to(dtype), group)
+    q, scales, low = quantize_int4(w, group)
+    layer.nibbles.copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+    layer.scales.copy_(scales)
+    layer.minimums.copy_(low)
+    layer.pack()
+    dense = layer.dense().float()
+    for rows in [*range(1, 9), 12, 17, SKINNY_MAX_ROWS]:
+        xs = x[:rows].to(dtype)
+        got = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, layer.scales_f32, layer.minimums_f32, group)
+        expected = F.linear(xs.float(), dense)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * k**0.5)
+    with pytest.raises(RuntimeError, match="the group size must divide k"):
+        torch.ops.tandem_cpu.skinny_linear_int4(x[:1], layer.nibbles, layer.scales_f32, layer.minimums_f32, 40)
+    with pytest.raises(RuntimeError, match=r"scales and minimums \[n, k / group_size\]"):
+        torch.ops.tandem_cpu.skinny_linear_int4(
+            x[:1], layer.nibbles, layer.scales_f32[:, 1:], layer.minimums_f32, group
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
+    """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the
+    dequantised product; the kernels run them except in compiled bfloat16 graphs, which keep
+    inductor's products."""
     gen = torch.Generator().manual_seed(3)
-    layer = Int8Linear.from_linear(nn.Linear(96, 40, bias=True).to(dtype))
-    assert Int8Linear._skinny(dtype) == cpu_kernels.used(), "eager, the kernel runs wherever the kernels do"
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    for rows in (1, 3, INT8_SKINNY_ROWS + 1):
-        x = torch.randn(rows, 96, generator=gen).to(dtype)
-        with torch.inference_mode():
-            expected = F.linear(x.float(), layer.dense().float(), layer.bias.float())
-            for got in (layer(x), compiled(x)):
-                tol = 1e-5 if dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10)
-    torch._dynamo.reset()
+    assert quant.skinny(dtype) == cpu_kernels.used(), "eager, the int8 kernel runs wherever the kernels do"
+    assert quant.skinny(dtype, bits=4) == (cpu_kernels.used() and dtype == torch.float32)
+    linear = nn.Linear(96, 48, bias=True).to(dtype)
+    for layer in (Int8Linear.from_linear(linear), Int4Linear.from_linear(linear, 32)):
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+        for rows in (1, 3, INT8_SKINNY_ROWS + 1):
+            x = torch.randn(rows, 96, generator=gen).to(dtype)
+            with torch.inference_mode():
+                expected = F.linear(x.float(), layer.dense().float(), layer.bias.float())
+                for got in (layer(x), compiled(x)):
+                    tol = 1e-5 if dtype == torch.float32 else 2e-2
+                    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10)
+        torch._dynamo.reset()
 
 
 def _layer(dtype: torch.dtype) -> Linear:

@@ -143,6 +143,9 @@ _library.define(
 )
 _library.define("skinny_linear(Tensor x, Tensor weight) -> Tensor")
 _library.define("skinny_linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+_library.define(
+    "skinny_linear_int4(Tensor x, Tensor nibbles, Tensor scales, Tensor minimums, int group_size) -> Tensor"
+)
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used. It beats torch's GEMM on the CPUs measured at every
 # row count in float32 (`benchmarks/skinny_linear.py`). In bfloat16 it beats `F.linear` at every
@@ -171,3 +174,8 @@ def _(x, weight):  # type: ignore[no-untyped-def]
 @torch.library.register_fake("tandem_cpu::skinny_linear_int8")
 def _(x, weight, scales):  # type: ignore[no-untyped-def]
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("tandem_cpu::skinny_linear_int4")
+def _(x, nibbles, scales, minimums, group_size):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], nibbles.shape[0])

@@ -5,12 +5,13 @@ swaps each `nn.Linear` of a built model for a module holding smaller weights, in
 layers' code does not change (nothing in the model asks whether it is quantised):
 
 - `int8`: one signed byte per weight and one scale per output channel (symmetric, max-abs / 127);
-  a product of up to `INT8_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int8` where the
-  CPU kernels run (`cpu_kernels.used()`), which streams each weight row once and widens it in
-  registers; else torch's int8 weight-only kernel (`torch._weight_int8pack_mm`).
+  a product of up to `INT8_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int8` where
+  that is faster (`skinny`), which streams each weight row once and widens it in registers; else
+  torch's int8 weight-only kernel (`torch._weight_int8pack_mm`).
 - `int4`: half a byte per weight, with a scale and an offset per `group_size` input columns of each
-  output channel (asymmetric, min / max); the product is torch's int4 kernel
-  (`torch._weight_int4pack_mm_for_cpu`) over weights packed once at load
+  output channel (asymmetric, min / max); under float32 activations a product of up to
+  `INT4_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int4` (the nibbles as stored),
+  else torch's int4 kernel (`torch._weight_int4pack_mm_for_cpu`) over weights packed once at load
   (`torch._convert_weight_to_int4pack_for_cpu`).
 
 A product of many rows (a prompt's chunk: `dense_from_rows` and more, 128 for int8, 256 for
@@ -39,6 +40,7 @@ from cluster.model import cpu_kernels
 WEIGHT_DTYPES = ("auto", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 INT8_SKINNY_ROWS = 16  # up to how many rows an int8 product goes through `tandem_cpu::skinny_linear_int8`
+INT4_SKINNY_ROWS = 16  # and an int4 one through `tandem_cpu::skinny_linear_int4`
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +92,7 @@ class Int8Linear(nn.Module):
         rows = flat.shape[0]
         if rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
-        elif rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu" and self._skinny(flat.dtype):
+        elif rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu" and skinny(flat.dtype):
             y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self.scales)
         else:
             y = torch._weight_int8pack_mm(flat, self.weight, self.scales)
@@ -98,15 +100,20 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
-    @staticmethod
-    def _skinny(dtype: torch.dtype) -> bool:
-        """Whether a few rows go through `tandem_cpu::skinny_linear_int8`: where the CPU kernels run,
-        except in a compiled bfloat16 graph, where inductor's own int8 product is faster (a SmolLM2
-        step 7.8 against 8.8 ms); in float32, compiled or not, torch's int8 product is the slow one
-        (60.9 against 8.8 ms compiled, 67.1 against 16.1 eager)."""
-        if dtype == torch.bfloat16 and torch.compiler.is_compiling():
-            return False
-        return cpu_kernels.used()
+
+def skinny(dtype: torch.dtype, bits: int = 8) -> bool:
+    """Whether a quantised layer's few-row product goes through Tandem's kernel
+    (`tandem_cpu::skinny_linear_int8`, `_int4`) rather than torch's, where the CPU kernels run; as
+    measured on SmolLM2 steps at batch 1 (A/B in one process):
+    - float32 activations, what an AVX2 machine runs: always; torch's quantised products are slow
+      there (int8 60.9 against 8.8 ms a step compiled, 67.1 against 16.1 eager; int4 123.7 against
+      10.1 compiled, 133.6 against 17.9 eager);
+    - bfloat16, int8: eager only (14.2 against 17.8 ms); inductor's own int8 product is faster in a
+      compiled graph (7.8 against 8.8);
+    - bfloat16, int4: never; torch's int4 product is faster (13.1 against 16.8 ms eager)."""
+    if dtype == torch.bfloat16 and (bits == 4 or torch.compiler.is_compiling()):
+        return False
+    return cpu_kernels.used()
 
 
 class Int4Linear(nn.Module):
@@ -127,6 +134,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
         self.packed: torch.Tensor | None = None  # the kernel's layout: derived, not saved
         self.scales_and_zeros: torch.Tensor | None = None
+        self.scales_f32: torch.Tensor | None = None  # float32 copies, for `tandem_cpu::skinny_linear_int4`
+        self.minimums_f32: torch.Tensor | None = None
         self.register_load_state_dict_post_hook(lambda module, keys: module.pack())
 
     @classmethod
@@ -154,6 +163,7 @@ class Int4Linear(nn.Module):
         self.packed = torch._convert_weight_to_int4pack_for_cpu(self.values().to(torch.int32), 1)
         zeros = self.minimums + 8 * self.scales
         self.scales_and_zeros = torch.stack([self.scales.t(), zeros.t()], dim=-1).contiguous()  # [K / g, N, 2]
+        self.scales_f32, self.minimums_f32 = self.scales.float().contiguous(), self.minimums.float().contiguous()
 
     def dense(self) -> torch.Tensor:
         """The weights dequantised, [N, K] in the activations' dtype."""
@@ -164,8 +174,13 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        if flat.shape[0] >= self.dense_from_rows:
+        rows = flat.shape[0]
+        if rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
+        elif rows <= INT4_SKINNY_ROWS and self.nibbles.device.type == "cpu" and skinny(flat.dtype, bits=4):
+            y = torch.ops.tandem_cpu.skinny_linear_int4(
+                flat, self.nibbles, self.scales_f32, self.minimums_f32, self.group_size
+            )
         else:
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:

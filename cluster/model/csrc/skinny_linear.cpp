@@ -9,7 +9,10 @@
 //
 // `skinny_linear_int8` is the same product over int8 weights with a scale per weight row (per output
 // channel, `cluster.model.quant.Int8Linear`): each row is widened in registers and its sum scaled
-// once, so a step reads one byte a weight.
+// once, so a step reads one byte a weight. `skinny_linear_int4` reads half a byte a weight
+// (`Int4Linear`: two to a byte, a scale and a minimum per group of input columns): a group's products
+// with the 4-bit values are summed, then scaled, and the minimum times the group's sum of inputs is
+// added, so each weight costs its unpacking and one multiply-add.
 //
 // The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
@@ -27,6 +30,7 @@
 
 namespace {
 
+using tandem::nibble;
 using tandem::widen;
 #if defined(TANDEM_SIMD)
 using namespace tandem::simd;
@@ -80,6 +84,53 @@ void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, Y* y
       float sum = 0.f;
       for (int64_t c = 0; c < k; ++c) sum += x[m * k + c] * widen(w[n * k + c]);
       y[m * ldy + n] = static_cast<Y>(sum * s);
+    }
+  }
+}
+
+// y[m * ldy + n] = sum over groups of scale[n, g] * <x[m] in g, q[n] in g> + min[n, g] * xsum[m, g]
+// for n in [n0, n1): `q` rows of k 4-bit values two to a byte, groups of `group` columns; `xsum`
+// [Rows, k / group] the inputs' sum over each group.
+template <int Rows, typename Y>
+void product_int4(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* low,
+                  int64_t k, int64_t group, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
+  const int64_t groups = k / group;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = q + n * (k / 2);
+    const float* s = scale + n * groups;
+    const float* l = low + n * groups;
+    float base[Rows];
+    for (int m = 0; m < Rows; ++m) base[m] = 0.f;
+#if defined(TANDEM_SIMD)
+    if (group % kLanes == 0) {
+      vfloat total[Rows];
+      for (int m = 0; m < Rows; ++m) total[m] = vzero();
+      for (int64_t g = 0; g < groups; ++g) {
+        vfloat acc[Rows];
+        for (int m = 0; m < Rows; ++m) acc[m] = vzero();
+        for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
+          if ((c / 2) % 64 == 0) prefetch_ahead(row + c / 2);
+          const vfloat wv = vload_nibbles(row + c / 2);
+          for (int m = 0; m < Rows; ++m) acc[m] = vfmadd(vload(x + m * k + c), wv, acc[m]);
+        }
+        const vfloat sv = vset1(s[g]);
+        for (int m = 0; m < Rows; ++m) {
+          total[m] = vfmadd(sv, acc[m], total[m]);
+          base[m] += l[g] * xsum[m * groups + g];
+        }
+      }
+      for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<Y>(vsum(total[m]) + base[m]);
+      continue;
+    }
+#endif
+    for (int m = 0; m < Rows; ++m) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.f;
+        for (int64_t c = g * group; c < (g + 1) * group; ++c) dot += x[m * k + c] * nibble(row, c);
+        sum += s[g] * dot + l[g] * xsum[m * groups + g];
+      }
+      y[m * ldy + n] = static_cast<Y>(sum);
     }
   }
 }
@@ -205,9 +256,58 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& weight, con
   return y;
 }
 
+at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
+                              const at::Tensor& minimums, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && nibbles.dim() == 2 && x.size(1) == 2 * nibbles.size(1),
+              "skinny_linear_int4 takes x [rows, k] and nibbles [n, k / 2]");
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte, "skinny_linear_int4 takes uint8 nibbles, two to a byte");
+  const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, "skinny_linear_int4: the group size must divide k");
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales.sizes() == minimums.sizes() && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              "skinny_linear_int4 takes scales and minimums [n, k / group_size]");
+  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu(), "skinny_linear_int4 runs on CPU tensors");
+  TORCH_CHECK(rows <= kMaxRows, "skinny_linear_int4 takes at most ", kMaxRows, " rows, not ", rows);
+  const at::Tensor q = nibbles.contiguous();
+  const at::Tensor s = scales.to(at::kFloat).contiguous();
+  const at::Tensor l = minimums.to(at::kFloat).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xsum = xf.view({rows, groups, group_size}).sum(-1).contiguous();
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const int64_t row_bytes = std::max<int64_t>(1, k / 2);
+  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
+  const float* xp = xf.data_ptr<float>();
+  const float* xs = xsum.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* lp = l.data_ptr<float>();
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      prefetch_first(qp + n0 * (k / 2), (n1 - n0) * row_bytes);
+      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+        product_int4<decltype(r)::value>(xp + m * k, xs + m * groups, qp, sp, lp, k, group_size, t0, t1,
+                                         yp + m * n, n);
+      });
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "skinny_linear_int4 takes float32, bfloat16 or float16 activations");
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("skinny_linear_int8", &skinny_linear_int8);
+  m.impl("skinny_linear_int4", &skinny_linear_int4);
 }

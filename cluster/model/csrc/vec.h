@@ -59,6 +59,11 @@ inline float widen(c10::BFloat16 x) {
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }
 
+// The 4-bit value at index i of a row packed two to a byte, the even index in the low nibble.
+inline float nibble(const uint8_t* row, int64_t i) {
+  return static_cast<float>((row[i >> 1] >> ((i & 1) * 4)) & 0xF);
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -104,6 +109,13 @@ inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 inline float vmaxval(vfloat v) { return _mm512_reduce_max_ps(v); }
 inline vfloat vexp_nonpositive(vfloat x) { return exp16_nonpositive(x); }
+// Sixteen 4-bit values from eight bytes, two to a byte, the even index in the low nibble.
+inline vfloat vload_nibbles(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
 #else
 constexpr int kLanes = 8;
 using vfloat = __m256;
@@ -119,6 +131,15 @@ inline vfloat vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+// Eight 4-bit values from four bytes, two to a byte, the even index in the low nibble.
+inline vfloat vload_nibbles(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const __m128i b = _mm_cvtsi32_si128(word);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
