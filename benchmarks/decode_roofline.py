@@ -140,10 +140,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--batches", default=None, help="section 4's batch sizes, comma-separated (default: 1,16)")
     parser.add_argument("--eager", action="store_true", help="section 4's steps not compiled")
+    parser.add_argument(
+        "--activations", default="bfloat16", choices=["bfloat16", "float32"],
+        help="section 4's model dtype (float32: what `dtype: auto` runs on a CPU without native bfloat16 products)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = args.device
-    folder, kept = bench_model(args.model, args.quick)
+    folder, kept = bench_model(args.model, args.quick, args.activations)
     preset = folder.name
     batches = [1, 4] if args.quick else [1, 4, 16, 64]
     repeat = 3 if args.quick else 10
@@ -157,21 +161,24 @@ def main() -> None:
 
     if device == "cpu":
         quant_batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 4] if args.quick else [1, 16]
-        chosen = None if args.settings is None else {"bfloat16", *args.settings.split(",")}
-        results["quantised"] = quantised(folder, quant_batches, repeat, kept, chosen, args.eager)
+        chosen = None if args.settings is None else {args.activations, *args.settings.split(",")}
+        results["quantised"] = quantised(folder, quant_batches, repeat, kept, chosen, args.eager, args.activations)
+        results["quantised_activations"] = args.activations
         results["quantised_mode"] = "eager" if args.eager else "compiled"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "decode_roofline" + ("_quick" if args.quick else "") + ("_cuda" if device == "cuda" else "")
     name += "_quant" if args.quant_only else ""
+    name += "_float32" if args.activations == "float32" else ""
     name += f"_{Path(args.model).stem}" if args.model else ""  # the file or folder it was given
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     _plot(results, out / f"{name}.png")
     print(f"\nwrote {out / name}.json and .png")
 
 
-def bench_model(model: str | None, quick: bool) -> tuple[Path, Path | None]:
-    """The model folder to run, and for a GGUF file of Q4 blocks its folder with them kept as int4."""
+def bench_model(model: str | None, quick: bool, dtype: str = "bfloat16") -> tuple[Path, Path | None]:
+    """The model folder to run, and for a GGUF file of Q4 blocks its folder with them kept as int4
+    (its other tensors in `dtype`: a quantised folder loads in the dtype it was written in)."""
     from cluster.model.arch import ModelFormatError
     from cluster.model.gguf import import_gguf, model_folder
 
@@ -184,10 +191,10 @@ def bench_model(model: str | None, quick: bool) -> tuple[Path, Path | None]:
     folder = model_folder(model)
     if Path(model).suffix.lower() != ".gguf":
         return folder, None
-    kept = ROOT / ".cache" / "bench" / f"{folder.name}-int4-kept"
+    kept = ROOT / ".cache" / "bench" / (f"{folder.name}-int4-kept" + ("" if dtype == "bfloat16" else f"-{dtype}"))
     if not (kept / "config.json").exists():
         try:
-            import_gguf(model, kept, keep_quantized=True, dtype="bfloat16")
+            import_gguf(model, kept, keep_quantized=True, dtype=dtype)
         except ModelFormatError as e:  # not Q4 blocks: nothing to keep
             print(f"the file's weights cannot be kept as int4: {e}")
             return folder, None

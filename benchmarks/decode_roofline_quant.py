@@ -30,20 +30,24 @@ def quantised(
     kept: Path | None = None,
     chosen: set[str] | None = None,
     eager: bool = False,
+    activations: str = "bfloat16",
 ) -> list[dict]:
-    """Section 4: each setting's compiled decode step against the bfloat16 one, same run; `kept`: a
-    folder of int4 weights kept from a GGUF file's Q4 blocks, run as one more setting; `chosen`:
-    the labels to run (None: all); `eager`: steps not compiled (minutes of compilation saved per
-    setting where inductor is slow)."""
+    """Section 4: each setting's compiled decode step against the unquantised one (`activations`,
+    the model's dtype: bfloat16, or float32 as `dtype: auto` gives a CPU without native bfloat16
+    products), same run; `kept`: a folder of int4 weights kept from a GGUF file's Q4 blocks, run as
+    one more setting; `chosen`: the labels to run (None: all); `eager`: steps not compiled (minutes
+    of compilation saved per setting where inductor is slow)."""
     from cluster.model.attention import kv_row_bytes
     from cluster.model.quant import weight_bytes
 
     mode = "eager" if eager else "compiled"
-    print(f"\nfewer bytes per token (bfloat16 activations, {mode} decode, {CONTEXT}-token context)")
+    print(f"\nfewer bytes per token ({activations} activations, {mode} decode, {CONTEXT}-token context)")
     print(f"{'setting':<22}{'batch':>6}{'ms/step':>10}{'MB/step':>10}{'GB/s':>8}{'bw GB/s':>8}{'roofline':>10}"
-          f"{'vs bf16':>9}")  # fmt: skip
+          f"{'vs base':>9}")  # fmt: skip
     rows: list[dict] = []
-    settings = [(label, weights, kv, folder) for label, weights, kv in QUANT_SETTINGS]
+    base_label = QUANT_SETTINGS[0][0]  # the unquantised setting, named by its dtype
+    settings = [(activations if label == base_label else label, weights, kv, folder)
+                for label, weights, kv in QUANT_SETTINGS]  # fmt: skip
     settings += [("int4 kept (file's Q4)", "int4", "auto", kept)] if kept is not None else []
     if chosen is not None:
         unknown = chosen - {label for label, *_ in settings}
@@ -53,7 +57,7 @@ def quantised(
     for label, weights, kv, source in settings:
         torch._dynamo.reset()  # each setting compiles its own graphs
         quantise = weights if source == folder else "auto"  # a kept folder loads as it was written
-        model = load_model(source, "bfloat16", "cpu", weight_dtype=quantise, group_size=128)
+        model = load_model(source, activations, "cpu", weight_dtype=quantise, group_size=128)
         arch = model.arch
         cache = CacheConfig(block_size=16, num_blocks=max(batches) * (768 // 16 + 2), kv_dtype=kv)
         buckets = () if eager else batches
@@ -62,20 +66,20 @@ def quantised(
         if not eager:
             engine.runner.compiled.warm_up(engine.runner.kv_cache)
         compile_s = time.perf_counter() - start
-        row_bytes = kv_row_bytes(arch.head_dim, 2, kv)
+        row_bytes = kv_row_bytes(arch.head_dim, model.embed_tokens.weight.element_size(), kv)
         for batch in batches:
             t, bw, _ = tandem_step_time(engine, batch, "cpu", repeat, matmul=False)  # section 4 needs bandwidth only
             kv_bytes = batch * CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * row_bytes
             nbytes = weight_bytes(model) + kv_bytes
-            base = next((r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == "bfloat16"), t)
+            base = next((r["step_s"] for r in rows if r["batch"] == batch and r["setting"] == activations), t)
             rows.append({"setting": label, "weights": weights, "kv": kv, "batch": batch, "step_s": t,
                          "bytes": nbytes, "weight_bytes": weight_bytes(model), "kv_bytes": kv_bytes,
                          "GBps": nbytes / t / 1e9, "bandwidth_GBps": bw / 1e9, "roofline_frac": nbytes / t / bw,
-                         "speedup_vs_bf16": base / t, "compile_s": compile_s})  # fmt: skip
+                         "speedup_vs_bf16": base / t, "activations": activations, "compile_s": compile_s})  # fmt: skip
             print(f"{label:<22}{batch:>6}{t * 1e3:>10.2f}{nbytes / 1e6:>10.1f}{nbytes / t / 1e9:>8.1f}"
                   f"{bw / 1e9:>8.1f}{nbytes / t / bw:>9.0%}{base / t:>8.2f}x")  # fmt: skip
         del model, engine
-    rows += transformers_rows(folder, batches, rows)
+    rows += transformers_rows(folder, batches, rows) if activations == "bfloat16" else []
     return rows
 
 
