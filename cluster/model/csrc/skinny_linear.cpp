@@ -12,7 +12,9 @@
 // once, so a step reads one byte a weight. `skinny_linear_int4` reads half a byte a weight
 // (`Int4Linear`: two to a byte, a scale and a minimum per group of input columns): a group's products
 // with the 4-bit values are summed, then scaled, and the minimum times the group's sum of inputs is
-// added, so each weight costs its unpacking and one multiply-add.
+// added. The inputs are split once into their even and odd columns, so a vector of bytes widens
+// into the low nibbles and the high ones, each multiplied against its half of the inputs without
+// reordering.
 //
 // The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
@@ -89,11 +91,14 @@ void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, Y* y
 }
 
 // y[m * ldy + n] = sum over groups of scale[n, g] * <x[m] in g, q[n] in g> + min[n, g] * xsum[m, g]
-// for n in [n0, n1): `q` rows of k 4-bit values two to a byte, groups of `group` columns; `xsum`
-// [Rows, k / group] the inputs' sum over each group.
+// for n in [n0, n1): `q` rows of k 4-bit values two to a byte, groups of `group` columns; `x` rows
+// of k inputs, `xe` and `xo` [Rows, k / 2] their even and odd columns; `xsum` [Rows, k / group] the
+// inputs' sum over each group.
 template <int Rows, typename Y>
-void product_int4(const float* x, const float* xsum, const uint8_t* q, const float* scale, const float* low,
-                  int64_t k, int64_t group, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
+void product_int4(const float* x, const float* xe, const float* xo, const float* xsum, const uint8_t* q,
+                  const float* scale, const float* low, int64_t k, int64_t group, int64_t n0, int64_t n1, Y* y,
+                  int64_t ldy) {
+  const int64_t half = k / 2;
   const int64_t groups = k / group;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = q + n * (k / 2);
@@ -102,16 +107,20 @@ void product_int4(const float* x, const float* xsum, const uint8_t* q, const flo
     float base[Rows];
     for (int m = 0; m < Rows; ++m) base[m] = 0.f;
 #if defined(TANDEM_SIMD)
-    if (group % kLanes == 0) {
+    if ((group / 2) % kLanes == 0) {
       vfloat total[Rows];
       for (int m = 0; m < Rows; ++m) total[m] = vzero();
       for (int64_t g = 0; g < groups; ++g) {
         vfloat acc[Rows];
         for (int m = 0; m < Rows; ++m) acc[m] = vzero();
-        for (int64_t c = g * group; c < (g + 1) * group; c += kLanes) {
-          if ((c / 2) % 64 == 0) prefetch_ahead(row + c / 2);
-          const vfloat wv = vload_nibbles(row + c / 2);
-          for (int m = 0; m < Rows; ++m) acc[m] = vfmadd(vload(x + m * k + c), wv, acc[m]);
+        for (int64_t b = g * group / 2; b < (g + 1) * group / 2; b += kLanes) {  // kLanes bytes at a time
+          if (b % 64 == 0) prefetch_ahead(row + b);
+          vfloat even, odd;
+          vload_nibble_pairs(row + b, even, odd);
+          for (int m = 0; m < Rows; ++m) {
+            acc[m] = vfmadd(vload(xe + m * half + b), even, acc[m]);
+            acc[m] = vfmadd(vload(xo + m * half + b), odd, acc[m]);
+          }
         }
         const vfloat sv = vset1(s[g]);
         for (int m = 0; m < Rows; ++m) {
@@ -274,6 +283,8 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
   const at::Tensor l = minimums.to(at::kFloat).contiguous();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor xsum = xf.view({rows, groups, group_size}).sum(-1).contiguous();
+  const at::Tensor xe = xf.view({rows, k / 2, 2}).select(2, 0).contiguous();
+  const at::Tensor xo = xf.view({rows, k / 2, 2}).select(2, 1).contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const int64_t row_bytes = std::max<int64_t>(1, k / 2);
@@ -290,8 +301,9 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       prefetch_first(qp + n0 * (k / 2), (n1 - n0) * row_bytes);
       tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
-        product_int4<decltype(r)::value>(xp + m * k, xs + m * groups, qp, sp, lp, k, group_size, t0, t1,
-                                         yp + m * n, n);
+        product_int4<decltype(r)::value>(xp + m * k, xe.data_ptr<float>() + m * (k / 2),
+                                         xo.data_ptr<float>() + m * (k / 2), xs + m * groups, qp, sp, lp, k,
+                                         group_size, t0, t1, yp + m * n, n);
       });
     });
   };

@@ -109,12 +109,11 @@ inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 inline float vmaxval(vfloat v) { return _mm512_reduce_max_ps(v); }
 inline vfloat vexp_nonpositive(vfloat x) { return exp16_nonpositive(x); }
-// Sixteen 4-bit values from eight bytes, two to a byte, the even index in the low nibble.
-inline vfloat vload_nibbles(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+// Sixteen bytes of 4-bit values two to a byte: the low nibbles (the even indices) and the high ones.
+inline void vload_nibble_pairs(const uint8_t* p, vfloat& low, vfloat& high) {
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x0F)));
+  high = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
 }
 #else
 constexpr int kLanes = 8;
@@ -131,14 +130,11 @@ inline vfloat vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
-// Eight 4-bit values from four bytes, two to a byte, the even index in the low nibble.
-inline vfloat vload_nibbles(const uint8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  const __m128i b = _mm_cvtsi32_si128(word);
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i v = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+// Eight bytes of 4-bit values two to a byte: the low nibbles (the even indices) and the high ones.
+inline void vload_nibble_pairs(const uint8_t* p, vfloat& low, vfloat& high) {
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0x0F)));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
 }
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
