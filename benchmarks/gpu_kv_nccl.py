@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -99,8 +101,8 @@ def prefill_side(model, sender: KVSender, device: str) -> dict:  # type: ignore[
     return {"first": first, "bytes": nbytes, "seconds": seconds}
 
 
-def prefill_process(transport: str, target: str, folder: str, device: str) -> int:
-    """The prefill side in its own process: prints its report as one JSON line."""
+def prefill_process(transport: str, target: str, folder: str, device: str) -> NoReturn:
+    """The prefill side in its own process: prints its report as one JSON line, then exits."""
     model = load_model(folder, "bfloat16", device)
     if transport == "collective":
         groups = CollectiveGroups(device, timeout_s=60)
@@ -108,8 +110,11 @@ def prefill_process(transport: str, target: str, folder: str, device: str) -> in
         groups.close()
     else:
         report = prefill_side(model, GrpcSender(target, timeout_s=60), device)
-    print(json.dumps(report))
-    return 0
+    print(json.dumps(report), flush=True)
+    # Its report is out: exit now, without the interpreter's teardown. Gloo's threads, still joinable
+    # when the process group's C++ objects are destroyed at exit, can abort the process there
+    # ("terminate called without an active exception"), which would fail a transfer that succeeded.
+    os._exit(0)
 
 
 def devices(transport: str, cpu: bool) -> tuple[str, str] | None:
@@ -179,7 +184,7 @@ def decode_process(transport: str, cpu: bool, folder: str) -> dict:
 
 def main() -> int:
     if len(sys.argv) == 6 and sys.argv[1] == "--prefill":
-        return prefill_process(*sys.argv[2:])
+        prefill_process(*sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="both sides on the CPU")
     parser.add_argument("--transport", default="collective", help="collective, grpc or local; several comma-separated")

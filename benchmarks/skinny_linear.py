@@ -67,6 +67,39 @@ def median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
+def measure(label, dtype, quantised, ours, theirs, row_counts, layers, repeats, gen) -> list[dict]:  # type: ignore[no-untyped-def]
+    """One weight kind's rows: Tandem's kernel and torch's on every matrix, interleaved, per row count."""
+    out: list[dict] = []
+    dense = [torch.randn(n, k, generator=gen) for _ in range(layers) for n, k in SHAPES]
+    if quantised == 4:  # `Int4Linear`s in groups of 32, each op given the layer
+        weights = [(Int4Linear.from_linear(_linear(w, dtype), 32),) for w in dense]
+        nbytes = sum(m.nibbles.numel() + 2 * m.scales.numel() * m.scales.element_size() for (m,) in weights)
+    elif quantised:  # (int8 weights, a scale per row in the activations' dtype) for the int8 ops
+        weights = [(q, s.to(dtype)) for q, s in map(quantize_int8, dense)]
+        nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in weights)
+    else:
+        weights = [w.to(dtype) for w in dense]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+    params = sum(w.numel() for w in dense)
+    for rows in row_counts:
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in SHAPES}
+        ts, tt = [], []
+        for _ in range(3):  # interleaved rounds, so drift hits both alike
+            ts.append(median_time(products(ours, xs, weights), repeats // 3))
+            tt.append(median_time(products(theirs, xs, weights), repeats // 3))
+        t_s, t_t = statistics.median(ts), statistics.median(tt)
+        r = {"dtype": label, "rows": rows,
+             "skinny_GBps": nbytes / t_s / 1e9, "skinny_GFLOPs": 2 * rows * params / t_s / 1e9,
+             "torch_GBps": nbytes / t_t / 1e9, "torch_GFLOPs": 2 * rows * params / t_t / 1e9,
+             "ratio": t_t / t_s}  # fmt: skip
+        out.append(r)
+        print(
+            f"{label:14} {rows:>4} {r['skinny_GBps']:>11.1f} {r['skinny_GFLOPs']:>8.0f} "
+            f"{r['torch_GBps']:>10.1f} {r['torch_GFLOPs']:>8.0f} {r['ratio']:>5.2f}x"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=30)
@@ -97,33 +130,7 @@ def main() -> None:
         ("int4 bfloat16", torch.bfloat16, 4, int4_ours, int4_torch, INT8_ROWS),
     ]
     for label, dtype, quantised, ours, theirs, row_counts in cases:
-        dense = [torch.randn(n, k, generator=gen) for _ in range(args.layers) for n, k in SHAPES]
-        if quantised == 4:  # `Int4Linear`s in groups of 32, each op given the layer
-            weights = [(Int4Linear.from_linear(_linear(w, dtype), 32),) for w in dense]
-            nbytes = sum(m.nibbles.numel() + 2 * m.scales.numel() * m.scales.element_size() for (m,) in weights)
-        elif quantised:  # (int8 weights, a scale per row in the activations' dtype) for the int8 ops
-            weights = [(q, s.to(dtype)) for q, s in map(quantize_int8, dense)]
-            nbytes = sum(q.numel() + s.numel() * s.element_size() for q, s in weights)
-        else:
-            weights = [w.to(dtype) for w in dense]
-            nbytes = sum(w.numel() * w.element_size() for w in weights)
-        params = sum(w.numel() for w in dense)
-        for rows in row_counts:
-            xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in SHAPES}
-            ts, tt = [], []
-            for _ in range(3):  # interleaved rounds, so drift hits both alike
-                ts.append(median_time(products(ours, xs, weights), args.repeats // 3))
-                tt.append(median_time(products(theirs, xs, weights), args.repeats // 3))
-            t_s, t_t = statistics.median(ts), statistics.median(tt)
-            r = {"dtype": label, "rows": rows,
-                 "skinny_GBps": nbytes / t_s / 1e9, "skinny_GFLOPs": 2 * rows * params / t_s / 1e9,
-                 "torch_GBps": nbytes / t_t / 1e9, "torch_GFLOPs": 2 * rows * params / t_t / 1e9,
-                 "ratio": t_t / t_s}  # fmt: skip
-            rows_out.append(r)
-            print(
-                f"{label:14} {rows:>4} {r['skinny_GBps']:>11.1f} {r['skinny_GFLOPs']:>8.0f} "
-                f"{r['torch_GBps']:>10.1f} {r['torch_GFLOPs']:>8.0f} {r['ratio']:>5.2f}x"
-            )
+        rows_out += measure(label, dtype, quantised, ours, theirs, row_counts, args.layers, args.repeats, gen)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"layers": args.layers, "shapes": SHAPES, "threads": args.threads, "used_up_to": {
         str(k).removeprefix("torch."): v for k, v in cpu_kernels.SKINNY_ROWS.items()}}  # fmt: skip
