@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import parse_config
-from decode_worker import service as decode_service
-from prefill_worker import service as prefill_service
-from router.openai.app import HTTPServer, create_app
-from router.service import server as router_server
+from tests.served import serving
 
 pytestmark = pytest.mark.slow
 
@@ -49,16 +46,8 @@ def served(smollm2):
             "router": {"local_prefill_max_tokens": 12},
         }
     )
-    decode = decode_service.from_config(config, "decode-0")
-    prefill = prefill_service.from_config(config, "prefill-0")
-    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
-    router = router_server.from_config(config, lambda: workers)
-    http = HTTPServer(create_app(router.start(), "smollm2", router.telemetry.metrics.registry), "127.0.0.1", 0)
-    yield f"http://{http.start()}", router
-    http.stop()
-    router.stop()
-    prefill.stop()
-    decode.stop()
+    with serving(config, "smollm2") as cluster:
+        yield cluster.base, cluster.router
 
 
 def _loglikelihood(response) -> float:  # type: ignore[no-untyped-def]

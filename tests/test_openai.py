@@ -19,12 +19,9 @@ import pytest
 
 from cluster.config import parse_config
 from cluster.model.tokenizer import Tokenizer
-from decode_worker import service as decode_service
-from prefill_worker import service as prefill_service
-from router.openai.app import HTTPServer, create_app
 from router.openai.fields import REFUSED, TABLES, rows
 from router.sdk.client import Client
-from router.service import server as router_server
+from tests.served import serving
 from tests.test_openai_fields import ROWS, base_body, body_with, example
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
@@ -42,18 +39,8 @@ def served():
             "auth": {"api_keys": [KEY]},
         }
     )
-    decode = decode_service.from_config(config, "decode-0")
-    prefill = prefill_service.from_config(config, "prefill-0")
-    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
-    router = router_server.from_config(config, lambda: workers)
-    grpc_address = router.start()
-    http = HTTPServer(create_app(grpc_address, "tandem-demo-code", router.telemetry.metrics.registry), "127.0.0.1", 0)
-    base = f"http://{http.start()}"
-    yield base, grpc_address, decode, router
-    http.stop()
-    router.stop()
-    prefill.stop()
-    decode.stop()
+    with serving(config, "tandem-demo-code") as cluster:
+        yield cluster.base, cluster.grpc_address, cluster.decode, cluster.router
 
 
 def raw(base: str, method: str, path: str, body: dict | None = None, key: str | None = KEY):

@@ -13,11 +13,8 @@ import openai
 import pytest
 
 from cluster.config import parse_config
-from decode_worker import service as decode_service
-from prefill_worker import service as prefill_service
-from router.openai.app import HTTPServer, create_app
 from router.sdk.client import Client, JsonObject
-from router.service import server as router_server
+from tests.served import serving
 from tests.smollm2 import real
 
 pytestmark = real
@@ -74,17 +71,9 @@ def cluster(smollm2):
             "router": {"local_prefill_max_tokens": 64},  # short prompts here, long ones (tools) remote
         }
     )
-    decode = decode_service.from_config(config, "decode-0")
-    prefill = prefill_service.from_config(config, "prefill-0")
-    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
-    router = router_server.from_config(config, lambda: workers)
-    address = router.start()
-    http = HTTPServer(create_app(address, "smollm2", router.telemetry.metrics.registry), "127.0.0.1", 0)
-    yield address, openai.OpenAI(base_url=f"http://{http.start()}/v1", api_key="none", max_retries=0, timeout=300)
-    http.stop()
-    router.stop()
-    prefill.stop()
-    decode.stop()
+    with serving(config, "smollm2") as cluster:
+        api = openai.OpenAI(base_url=f"{cluster.base}/v1", api_key="none", max_retries=0, timeout=300)
+        yield cluster.grpc_address, api
 
 
 @pytest.fixture(scope="module")

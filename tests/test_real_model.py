@@ -29,6 +29,7 @@ from decode_worker.engine import Engine
 from decode_worker.kv_intake import KVIntake
 from prefill_worker.engine import PrefillEngine
 from tests.kv_senders import kv_sender
+from tests.served import serving
 from tests.smollm2 import CHATS, NEW_TOKENS, PLAIN, chat, real, rel_err
 
 pytestmark = [real, pytest.mark.slow]
@@ -126,10 +127,6 @@ def test_disaggregated_tokens_equal_transformers(float32, smollm2_reference, pre
 @pytest.fixture(scope="module")
 def served(smollm2):
     """Router, a prefill and a decode worker on real gRPC servers, and the OpenAI HTTP face."""
-    from decode_worker import service as decode_service
-    from prefill_worker import service as prefill_service
-    from router.openai.app import HTTPServer, create_app
-    from router.service import server as router_server
 
     tok = Tokenizer(smollm2)
     lengths = sorted(len(tok.encode_chat(chat(text))) for text in CHATS)
@@ -142,16 +139,8 @@ def served(smollm2):
             "router": {"local_prefill_max_tokens": lengths[1], "prefix_routing": "hash"},
         }
     )
-    decode = decode_service.from_config(config, "decode-0")
-    prefill = prefill_service.from_config(config, "prefill-0")
-    workers = {"decode-0": decode.start(), "prefill-0": prefill.start()}
-    router = router_server.from_config(config, lambda: workers)
-    http = HTTPServer(create_app(router.start(), "smollm2", router.telemetry.metrics.registry), "127.0.0.1", 0)
-    yield f"http://{http.start()}", router
-    http.stop()
-    router.stop()
-    prefill.stop()
-    decode.stop()
+    with serving(config, "smollm2") as cluster:
+        yield cluster.base, cluster.router
 
 
 def test_openai_chat_equals_transformers(served, smollm2, smollm2_reference):

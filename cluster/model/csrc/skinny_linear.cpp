@@ -177,6 +177,31 @@ void tiled(int64_t rows, int64_t n0, int64_t n1, int64_t tile, Group&& group) {
   }
 }
 
+// The weight rows [0, y.size(1)) split across threads (each row `row_bytes` from `weights`), each
+// thread's first lines asked for, and `group(r, m, t0, t1, yp)` called for every tile and group of
+// input rows (`tiled`), `yp` the output's data as its dtype: float32, bfloat16 or float16.
+template <typename Group>
+void over_weight_rows(at::Tensor& y, const void* weights, int64_t row_bytes, const char* name, Group&& group) {
+  const int64_t rows = y.size(0), n = y.size(1);
+  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
+  const char* first = static_cast<const char*>(weights);
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      prefetch_first(first + n0 * row_bytes, (n1 - n0) * row_bytes);
+      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) { group(r, m, t0, t1, yp); });
+    });
+  };
+  switch (y.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, " takes float32, bfloat16 or float16 activations");
+  }
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear takes x [rows, k] and weight [n, k]");
@@ -188,42 +213,24 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const int64_t row_bytes = std::max<int64_t>(1, k * w.element_size());
-  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
 #if defined(__AVX512BF16__)
   if (w.scalar_type() == at::kBFloat16 && k % 32 == 0) {
     const at::Tensor xc = x.contiguous();
     const auto* xp = xc.data_ptr<c10::BFloat16>();
     const auto* wp = w.data_ptr<c10::BFloat16>();
-    auto* yp = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      prefetch_first(wp + n0 * k, (n1 - n0) * row_bytes);
-      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+    over_weight_rows(y, wp, row_bytes, "skinny_linear", [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
+      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(yp)>, c10::BFloat16>)
         product_bf16<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
-      });
     });
     return y;
   }
 #endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  const auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      prefetch_first(wp + n0 * k, (n1 - n0) * row_bytes);
-      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
-        product<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
-      });
-    });
-  };
-  switch (weight.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "skinny_linear takes float32, bfloat16 or float16 weights");
-  }
+  over_weight_rows(y, w.data_ptr(), row_bytes, "skinny_linear", [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
+    using W = std::remove_pointer_t<decltype(yp)>;  // the weights' dtype, the output's
+    product<decltype(r)::value>(xp + m * k, static_cast<const W*>(w.data_ptr()), k, t0, t1, yp + m * n, n);
+  });
   return y;
 }
 
@@ -240,28 +247,13 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& weight, con
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const int64_t row_bytes = std::max<int64_t>(1, k);
-  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
   const float* xp = xf.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
-  const auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      prefetch_first(wp + n0 * k, (n1 - n0) * row_bytes);
-      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
-        product<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n, sp);
-      });
-    });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "skinny_linear_int8 takes float32, bfloat16 or float16 activations");
-  }
+  over_weight_rows(y, wp, std::max<int64_t>(1, k), "skinny_linear_int8",
+                   [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
+                     product<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n, sp);
+                   });
   return y;
 }
 
@@ -287,32 +279,15 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
   const at::Tensor xo = xf.view({rows, k / 2, 2}).select(2, 1).contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const int64_t row_bytes = std::max<int64_t>(1, k / 2);
-  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
-  const float* xp = xf.data_ptr<float>();
-  const float* xs = xsum.data_ptr<float>();
+  const float *xp = xf.data_ptr<float>(), *ep = xe.data_ptr<float>(), *op = xo.data_ptr<float>();
+  const float *xs = xsum.data_ptr<float>(), *sp = s.data_ptr<float>(), *lp = l.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* lp = l.data_ptr<float>();
-  const auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      prefetch_first(qp + n0 * (k / 2), (n1 - n0) * row_bytes);
-      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
-        product_int4<decltype(r)::value>(xp + m * k, xe.data_ptr<float>() + m * (k / 2),
-                                         xo.data_ptr<float>() + m * (k / 2), xs + m * groups, qp, sp, lp, k,
-                                         group_size, t0, t1, yp + m * n, n);
-      });
-    });
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "skinny_linear_int4 takes float32, bfloat16 or float16 activations");
-  }
+  const int64_t half = k / 2;
+  over_weight_rows(y, qp, std::max<int64_t>(1, half), "skinny_linear_int4",
+                   [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
+                     product_int4<decltype(r)::value>(xp + m * k, ep + m * half, op + m * half, xs + m * groups, qp,
+                                                      sp, lp, k, group_size, t0, t1, yp + m * n, n);
+                   });
   return y;
 }
 
