@@ -29,7 +29,8 @@ def test_the_variant_is_chosen_by_the_cpus_flags(monkeypatch):
     cases = {
         frozenset({"avx2", "fma", "f16c"}): "avx2",
         frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}): "avx512",
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}): "avx512_bf16",
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+        | {"avx512_vnni"}: "avx512_bf16",
         frozenset({"sse4_2"}): "portable",
         frozenset({"avx2"}): "portable",  # without FMA and F16C: no vector path
     }

@@ -269,20 +269,42 @@ def test_skinny_linear_refuses_what_it_cannot_do():
         torch.ops.tandem_cpu.skinny_linear(x[:, :95], w)
 
 
+def _inputs_as_quantised(x: torch.Tensor) -> torch.Tensor:
+    """x as the quantised products see it: each block of 32 columns of a row in int8 with its own
+    scale, max |x| / 127 (float64, so a reference built on it rounds no further)."""
+    x = x.double()
+    out = torch.empty_like(x)
+    for c in range(0, x.shape[1], 32):
+        block = x[:, c : c + 32]
+        scale = block.abs().amax(dim=1, keepdim=True) / 127
+        out[:, c : c + 32] = torch.round(block / scale.clamp(min=1e-300)) * scale
+    return out
+
+
+def _assert_quantised_product(got, x, dense, exact, tol):
+    """`got` equals the product of `x` as quantised with `dense` (float64) to float32 rounding (`tol`:
+    the output dtype's), and is within 3 % of the largest output of the product without quantised
+    inputs (`exact`): what quantising the inputs costs."""
+    expected = F.linear(_inputs_as_quantised(x.float()), dense.double()).float()
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * x.shape[1] ** 0.5)
+    assert (got.float() - exact).abs().max() <= 0.03 * exact.abs().max(), (got.float() - exact).abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 40)])
-def test_skinny_linear_int8_equals_the_dequantised_product(dtype, n, k):
-    """int8 weights with a scale per row, widened in registers: every row count of a group, several
-    groups, vector and scalar widths, weights split across threads and tiles; the output in the
-    activations' dtype, equal to the product with the weights dequantised."""
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 40), (64, 1000)])
+def test_skinny_linear_int8_equals_the_product_with_quantised_inputs(dtype, n, k):
+    """int8 weights with a scale per row against inputs quantised per block of 32 columns, in integer
+    dot products: every row count of a group, several groups, vector widths and a last vector part
+    full (k = 40, 1000), weights split across threads and tiles; the output in the activations' dtype."""
     x, w = _weights(n, k, torch.float32)
     q, scales = quantize_int8(w)
     for rows in [*range(1, 9), 12, 17, SKINNY_MAX_ROWS]:
-        got = torch.ops.tandem_cpu.skinny_linear_int8(x[:rows].to(dtype), q, scales.to(dtype))
-        expected = F.linear(x[:rows].to(dtype).float(), q.float() * scales.to(dtype).float()[:, None])
+        xs = x[:rows].to(dtype)
+        got = torch.ops.tandem_cpu.skinny_linear_int8(xs, q, scales.to(dtype))
+        dense = q.float() * scales.to(dtype).float()[:, None]
         assert got.dtype == dtype and got.shape == (rows, n)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * k**0.5)
+        _assert_quantised_product(got, xs.float(), dense, F.linear(xs.float(), dense), tol)
     with pytest.raises(RuntimeError, match="int8 weights"):
         torch.ops.tandem_cpu.skinny_linear_int8(x, w, scales)
     with pytest.raises(RuntimeError, match="a scale per weight row"):
@@ -290,11 +312,12 @@ def test_skinny_linear_int8_equals_the_dequantised_product(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k", "group"), [(48, 96, 32), (304, 576, 64), (16, 256, 128)])
-def test_skinny_linear_int4_equals_the_dequantised_product(dtype, n, k, group):
-    """4-bit weights two to a byte with a scale and a minimum per group: every row count of a group
-    of rows, several groups, weights split across threads and tiles, each group size; equal to the
-    product with the weights dequantised (`Int4Linear.dense`)."""
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 96, 32), (304, 576, 64), (16, 256, 128), (32, 1536, 256)])
+def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k, group):
+    """4-bit weights two to a byte with a scale and a minimum per group, against inputs quantised
+    per block of 32 columns (the minimums' part too): every row count of a
+    group of rows, several groups, each group size, a last vector part full (k = 96, 576), weights
+    split across threads and tiles."""
     x, w = _weights(n, k, torch.float32)
     layer = Int4Linear.from_linear(nn.Linear(k, n, bias=False).to(dtype), group)
     q, scales, low = quantize_int4(w, group)
@@ -303,14 +326,17 @@ def test_skinny_linear_int4_equals_the_dequantised_product(dtype, n, k, group):
     layer.minimums.copy_(low)
     layer.pack()
     dense = layer.dense().float()
+    steps = (layer.dense().float() - layer.minimums.float().repeat_interleave(group, 1)).double()
     for rows in [*range(1, 9), 12, 17, SKINNY_MAX_ROWS]:
         xs = x[:rows].to(dtype)
         got = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, layer.scales_f32, layer.minimums_f32, group)
-        expected = F.linear(xs.float(), dense)
         assert got.dtype == dtype and got.shape == (rows, n)
+        sums = _inputs_as_quantised(xs.float()).view(rows, k // group, group).sum(-1)
+        minimums = (sums @ layer.minimums.double().t()).float()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * k**0.5)
-    with pytest.raises(RuntimeError, match="the group size must divide k"):
+        exact = F.linear(xs.float(), dense) - minimums
+        _assert_quantised_product(got.float() - minimums, xs.float(), steps, exact, tol)
+    with pytest.raises(RuntimeError, match="the group size must be a multiple of 32 dividing k"):
         torch.ops.tandem_cpu.skinny_linear_int4(x[:1], layer.nibbles, layer.scales_f32, layer.minimums_f32, 40)
     with pytest.raises(RuntimeError, match=r"scales and minimums \[n, k / group_size\]"):
         torch.ops.tandem_cpu.skinny_linear_int4(
@@ -320,23 +346,40 @@ def test_skinny_linear_int4_equals_the_dequantised_product(dtype, n, k, group):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
-    """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the
-    dequantised product; the kernels run them except in compiled bfloat16 graphs, which keep
-    inductor's products."""
+    """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the product of
+    their inputs as the kernels quantise them where the kernels run, else the dequantised product;
+    the kernels run them except in compiled bfloat16 graphs, which keep inductor's products."""
     gen = torch.Generator().manual_seed(3)
     assert quant.skinny(dtype) == cpu_kernels.used(), "eager, the int8 kernel runs wherever the kernels do"
     assert quant.skinny(dtype, bits=4) == (cpu_kernels.used() and dtype == torch.float32)
     linear = nn.Linear(96, 48, bias=True).to(dtype)
     for layer in (Int8Linear.from_linear(linear), Int4Linear.from_linear(linear, 32)):
         compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+        bits = 8 if isinstance(layer, Int8Linear) else 4
         for rows in (1, 3, INT8_SKINNY_ROWS + 1):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             with torch.inference_mode():
-                expected = F.linear(x.float(), layer.dense().float(), layer.bias.float())
-                for got in (layer(x), compiled(x)):
+                for got, graph in ((layer(x), False), (compiled(x), True)):
+                    in_graph = graph and dtype != torch.float32  # compiled bfloat16 graphs keep inductor's
+                    kernel = rows <= INT8_SKINNY_ROWS and quant.skinny(dtype, bits) and not in_graph
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
-                    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * 10)
+                    torch.testing.assert_close(got.float(), _reference(layer, x, kernel), rtol=tol, atol=tol * 10)
         torch._dynamo.reset()
+
+
+def _reference(layer: nn.Module, x: torch.Tensor, quantised_inputs: bool) -> torch.Tensor:
+    """A quantised layer's output on `x`: with `quantised_inputs`, on x as the kernels quantise it."""
+    dense, bias = layer.dense().float(), layer.bias.float()
+    if not quantised_inputs:
+        return F.linear(x.float(), dense, bias)
+    xq = _inputs_as_quantised(x.float())
+    if isinstance(layer, Int8Linear):
+        return (F.linear(xq, dense.double()) + bias).float()
+    g = layer.group_size
+    minimums = layer.minimums.double()
+    steps = dense.double() - minimums.repeat_interleave(g, 1)
+    sums = xq.view(x.shape[0], -1, g).sum(-1)
+    return (F.linear(xq, steps) + sums @ minimums.t() + bias).float()
 
 
 def _layer(dtype: torch.dtype) -> Linear:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from cli.main import main
 from cluster.generate import generate
+from cluster.model import quant
 from cluster.model.arch import ModelArch, ModelFormatError
 from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.model.gguf import import_gguf, model_folder
@@ -413,11 +414,12 @@ HEADS_KEPT = {
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("head", list(HEADS_KEPT))
-def test_kept_q4_blocks_are_the_files_weights(tmp_path, kind, head):
+def test_kept_q4_blocks_are_the_files_weights(tmp_path, kind, head, monkeypatch):
     """With keep_quantized, each linear layer is an Int4Linear whose weights dequantise to exactly
     the dequantised float32 weights; a Q4 LM head (tied or not) is int4, a Q8_0 one stays float.
-    Logits stay within 1e-4 (relative) of the float32 model's: the int4 kernel's rounding (it adds
-    a zero point of minimum + 8 * scale)."""
+    Logits stay within 1e-4 (relative) of the float32 model's through torch's int4 product (its
+    rounding: it adds a zero point of minimum + 8 * scale), and within 5 % through Tandem's, which
+    quantises the inputs to int8 as llama.cpp does."""
     tied, head_type, int4_head, notes = HEADS_KEPT[head]
     weights = hf_weights(seed=2, tied=tied)
     types = {"token_embd.weight" if tied else "output.weight": head_type} if head_type else {}
@@ -438,6 +440,8 @@ def test_kept_q4_blocks_are_the_files_weights(tmp_path, kind, head):
         w = (module.minimums[..., None] + groups * module.scales[..., None]).view(module.out_features, -1)
         assert torch.equal(w, dense_weights[f"{name}.weight"]), name
     assert torch.equal(kept.embed_tokens.weight, dense.embed_tokens.weight)
+    assert rel_err(last_logits(kept, PROMPT), last_logits(dense, PROMPT)) <= 5e-2
+    monkeypatch.setattr(quant, "INT4_SKINNY_ROWS", 0)
     assert rel_err(last_logits(kept, PROMPT), last_logits(dense, PROMPT)) <= 1e-4
 
 
@@ -689,10 +693,12 @@ def test_real_model_matches_transformers(real_folders, transformers_real):
 
 @real
 @pytest.mark.slow
-def test_real_kept_int4_is_the_files_weights(real_folders):
+def test_real_kept_int4_is_the_files_weights(real_folders, monkeypatch):
     """Kept Q4_1 blocks dequantise to exactly the dequantised float32 weights; the LM head is the
-    Q8_0 embedding table (tied), in float; logits within 1e-4 (relative) of the float32 model's
-    (measured: 1.7e-6), the same greedy tokens."""
+    Q8_0 embedding table (tied), in float. Through torch's int4 product, logits within 1e-4
+    (relative) of the float32 model's (measured: 2.7e-6) and the same greedy tokens; through
+    Tandem's, which quantises the inputs to int8 per block of 32 as llama.cpp does, within 5 %
+    (measured: 1.6-4.0 % over four prompts)."""
     dense_report, kept_report = real_folders["reports"]
     assert kept_report.notes == (
         "token_embd.weight (Q8_0) dequantised",
@@ -709,6 +715,8 @@ def test_real_kept_int4_is_the_files_weights(real_folders):
         assert torch.equal(w, params[f"{name}.weight"]), name
     assert torch.equal(kept.embed_tokens.weight, dense.embed_tokens.weight)
     prompt = Tokenizer(real_folders["int4"]).encode(REAL_PROMPT)
+    assert rel_err(last_logits(kept, prompt), last_logits(dense, prompt)) <= 5e-2
+    monkeypatch.setattr(quant, "INT4_SKINNY_ROWS", 0)
     assert rel_err(last_logits(kept, prompt), last_logits(dense, prompt)) <= 1e-4
     assert generate(kept, [prompt], 8)[0].tokens == generate(dense, [prompt], 8)[0].tokens
     print(f"import: {dense_report.seconds:.1f} s dequantised, {kept_report.seconds:.1f} s kept int4")

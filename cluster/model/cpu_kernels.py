@@ -33,20 +33,22 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "skinny_linear.cpp"]
+_SOURCES = [
+    _CSRC / name
+    for name in ("decode_attention.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "quantized_linear.cpp")
+]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "vector": the build has vector paths
 
+_AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # Instruction sets the kernels are built for, best first: the CPU flags each needs, and the compiler's.
+# Every CPU with AVX512-BF16 has AVX512-VNNI (the quantised products' `vpdpbusd`).
 VARIANTS = {
     "avx512_bf16": (
-        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
-        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"},
+        [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
     ),
-    "avx512": (
-        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    ),
+    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, _AVX512),
     "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
 }
 

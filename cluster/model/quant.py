@@ -6,11 +6,14 @@ layers' code does not change (nothing in the model asks whether it is quantised)
 
 - `int8`: one signed byte per weight and one scale per output channel (symmetric, max-abs / 127);
   a product of up to `INT8_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int8` where
-  that is faster (`skinny`), which streams each weight row once and widens it in registers; else
-  torch's int8 weight-only kernel (`torch._weight_int8pack_mm`).
+  that is faster (`skinny`), which streams each weight row once and multiplies it in integers
+  against the inputs quantised to int8 per block of 32 columns, as llama.cpp does (VNNI
+  `vpdpbusd`, or AVX2 `vpmaddubsw`; `csrc/quantized_linear.cpp`); else torch's int8 weight-only
+  kernel (`torch._weight_int8pack_mm`), which keeps the inputs as they are.
 - `int4`: half a byte per weight, with a scale and an offset per `group_size` input columns of each
   output channel (asymmetric, min / max); under float32 activations a product of up to
-  `INT4_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int4` (the nibbles as stored),
+  `INT4_SKINNY_ROWS` rows goes through `tandem_cpu::skinny_linear_int4` (the nibbles as stored,
+  in integer dot products with the inputs quantised the same way),
   else torch's int4 kernel (`torch._weight_int4pack_mm_for_cpu`) over weights packed once at load
   (`torch._convert_weight_to_int4pack_for_cpu`).
 
@@ -106,11 +109,11 @@ def skinny(dtype: torch.dtype, bits: int = 8) -> bool:
     (`tandem_cpu::skinny_linear_int8`, `_int4`) rather than torch's, where the CPU kernels run; as
     measured on SmolLM2 steps at batch 1 (A/B in one process):
     - float32 activations, what an AVX2 machine runs: always; torch's quantised products are slow
-      there (int8 60.9 against 8.8 ms a step compiled, 67.1 against 16.1 eager; int4 123.7 against
-      10.1 compiled, 133.6 against 17.9 eager);
-    - bfloat16, int8: eager only (14.2 against 17.8 ms); inductor's own int8 product is faster in a
-      compiled graph (7.8 against 8.8);
-    - bfloat16, int4: never; torch's int4 product is faster (13.1 against 16.8 ms eager)."""
+      there (int8 60.9 against 8.4 ms a step compiled; int4 139.8 against 6.9);
+    - bfloat16, int8: eager only (13.9 against 18.5 ms); inductor's own int8 product is faster in a
+      compiled graph (6.9 against 7.7);
+    - bfloat16, int4: never; torch's int4 product is as fast (6.8 against 6.7 ms compiled, 12.3
+      against 12.8 eager) and keeps the inputs as they are."""
     if dtype == torch.bfloat16 and (bits == 4 or torch.compiler.is_compiling()):
         return False
     return cpu_kernels.used()

@@ -59,11 +59,6 @@ inline float widen(c10::BFloat16 x) {
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 inline float widen(int8_t x) { return static_cast<float>(x); }
 
-// The 4-bit value at index i of a row packed two to a byte, the even index in the low nibble.
-inline float nibble(const uint8_t* row, int64_t i) {
-  return static_cast<float>((row[i >> 1] >> ((i & 1) * 4)) & 0xF);
-}
-
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -109,12 +104,6 @@ inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 inline float vmaxval(vfloat v) { return _mm512_reduce_max_ps(v); }
 inline vfloat vexp_nonpositive(vfloat x) { return exp16_nonpositive(x); }
-// Sixteen bytes of 4-bit values two to a byte: the low nibbles (the even indices) and the high ones.
-inline void vload_nibble_pairs(const uint8_t* p, vfloat& low, vfloat& high) {
-  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  low = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x0F)));
-  high = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-}
 #else
 constexpr int kLanes = 8;
 using vfloat = __m256;
@@ -130,12 +119,6 @@ inline vfloat vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
-// Eight bytes of 4-bit values two to a byte: the low nibbles (the even indices) and the high ones.
-inline void vload_nibble_pairs(const uint8_t* p, vfloat& low, vfloat& high) {
-  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  low = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0x0F)));
-  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
-}
 inline vfloat vfmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }

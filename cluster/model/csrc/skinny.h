@@ -1,0 +1,72 @@
+// Shared by the few-row products (`skinny_linear.cpp`, `quantized_linear.cpp`): how the weight rows
+// are split across threads and tiles, and how far ahead of the product they are asked for.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace tandem::skinny {
+
+constexpr int64_t kMaxRows = 64;
+constexpr int kGroupRows = 8;                  // input rows accumulated against a weight row together
+constexpr int64_t kTileBytes = 32 * 1024;      // weight rows a group pass covers, then re-read from cache
+constexpr int64_t kMinTaskBytes = 32 * 1024;  // weight bytes per thread below which forking costs more
+// Weight bytes a thread asks for ahead of the line it multiplies: left to the hardware prefetcher
+// alone, too few lines are in flight to read at the machine's bandwidth, the more so in the short
+// products of one layer.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// A hint for the cache line `kPrefetchBytes` past p: past the end of the weights it loads a line
+// nothing needs, and it never faults.
+inline void prefetch_ahead(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3); }
+
+// Hints for the first `kPrefetchBytes` of a thread's `bytes` of weights, which no line before them
+// asks for.
+inline void prefetch_first(const void* p, int64_t bytes) {
+  const char* first = static_cast<const char*>(p);
+  for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(first + b, 0, 3);
+}
+
+// Over weight rows [n0, n1): a tile of weight rows at a time, every group of up to eight input
+// rows against it, so the tile comes from memory once and from cache for the other groups.
+// `group(rows, first_row, t0, t1)` computes one group (rows as a compile-time constant).
+template <typename Group>
+void tiled(int64_t rows, int64_t n0, int64_t n1, int64_t tile, Group&& group) {
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m = 0; m < rows; m += kGroupRows)
+      tandem::with_count<kGroupRows>(std::min<int64_t>(kGroupRows, rows - m), [&](auto r) { group(r, m, t0, t1); });
+  }
+}
+
+// The weight rows [0, y.size(1)) split across threads (each row `row_bytes` from `weights`), each
+// thread's first lines asked for, and `group(r, m, t0, t1, yp)` called for every tile and group of
+// input rows (`tiled`), `yp` the output's data as its dtype: float32, bfloat16 or float16.
+template <typename Group>
+void over_weight_rows(at::Tensor& y, const void* weights, int64_t row_bytes, const char* name, Group&& group) {
+  const int64_t rows = y.size(0), n = y.size(1);
+  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
+  const char* first = static_cast<const char*>(weights);
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      prefetch_first(first + n0 * row_bytes, (n1 - n0) * row_bytes);
+      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) { group(r, m, t0, t1, yp); });
+    });
+  };
+  switch (y.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, " takes float32, bfloat16 or float16 activations");
+  }
+}
+
+}  // namespace tandem::skinny
