@@ -307,8 +307,41 @@ def test_skinny_linear_int8_equals_the_product_with_quantised_inputs(dtype, n, k
         _assert_quantised_product(got, xs.float(), dense, F.linear(xs.float(), dense), tol)
     with pytest.raises(RuntimeError, match="int8 weights"):
         torch.ops.tandem_cpu.skinny_linear_int8(x, w, scales)
-    with pytest.raises(RuntimeError, match="a scale per weight row"):
+    with pytest.raises(RuntimeError, match=r"a scale per weight row \[n\]"):
         torch.ops.tandem_cpu.skinny_linear_int8(x, q, scales[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 32)])
+def test_skinny_linear_int8_with_a_scale_per_block_of_32(dtype, n, k):
+    """GGUF's Q8_0 kept as it is: int8 weights with a scale per block of 32 columns of each row
+    (k = 96: a last vector with one block), equal to the dequantised weights' product with the
+    inputs as quantised; `Int8Linear` with `block_size` runs it, and its many-row products the
+    dense one on the same weights."""
+    x, w = _weights(n, k, torch.float32)
+    layer = Int8Linear(k, n, dtype, bias=False, block_size=32)
+    blocks = w.view(n, k // 32, 32)
+    scales = (blocks.abs().amax(-1) / 127).clamp(min=1e-12)
+    layer.weight.copy_(torch.round(blocks / scales[..., None]).to(torch.int8).view(n, k))
+    layer.scales.copy_(scales)
+    dense = layer.dense().float()
+    for rows in [*range(1, 9), 17, SKINNY_MAX_ROWS]:
+        xs = x[:rows].to(dtype)
+        got = torch.ops.tandem_cpu.skinny_linear_int8(xs, layer.weight, layer.scales)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        _assert_quantised_product(got, xs.float(), dense, F.linear(xs.float(), dense), tol)
+    with torch.inference_mode():
+        assert torch.equal(
+            layer(x[:3].to(dtype)), torch.ops.tandem_cpu.skinny_linear_int8(x[:3].to(dtype), layer.weight, layer.scales)
+        )
+        torch.testing.assert_close(
+            layer(x.to(dtype)).float(), F.linear(x.to(dtype).float(), dense), rtol=tol, atol=tol * k**0.5
+        )
+    with pytest.raises(RuntimeError, match="per block of 32 columns"):
+        torch.ops.tandem_cpu.skinny_linear_int8(x[:1], layer.weight, layer.scales[:, 1:])
+    with pytest.raises(ValueError, match="int8 blocks take 32 columns"):
+        Int8Linear(40, 8, dtype, bias=False, block_size=32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,7 +23,7 @@ from cluster.model.arch import ModelArch, ModelFormatError
 from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
 from cluster.model.gguf import import_gguf, model_folder
 from cluster.model.loader import load_model
-from cluster.model.quant import Int4Linear
+from cluster.model.quant import Int4Linear, Int8Linear
 from cluster.model.tokenizer import Tokenizer
 from tests.smollm2 import REAL, real
 
@@ -403,12 +403,13 @@ def test_tiny_tokenizer_matches_transformers(tiny_files, transformers_tiny, tmp_
     assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
 
 
-# LM head layouts: (tied, GGUF type of token_embd / output, int4 head, notes beyond the embedding's)
+# LM head layouts: (tied, GGUF type of token_embd / output, the head's form, notes beyond the embedding's)
 HEADS_KEPT = {
     "tied-q4": (True, None, True, ()),
-    "tied-q8": (True, QT.Q8_0, False, ("the LM head is the embedding table (tied), in float",)),
-    "untied-q8": (False, QT.Q8_0, False, ("output.weight (Q8_0) dequantised",)),
+    "tied-q8": (True, QT.Q8_0, "int8", ()),
+    "untied-q8": (False, QT.Q8_0, "int8", ()),
     "untied-q4": (False, None, True, ()),
+    "tied-f16": (True, QT.F16, False, ("the LM head is the embedding table (tied), in float",)),
 }
 
 
@@ -416,32 +417,38 @@ HEADS_KEPT = {
 @pytest.mark.parametrize("head", list(HEADS_KEPT))
 def test_kept_q4_blocks_are_the_files_weights(tmp_path, kind, head, monkeypatch):
     """With keep_quantized, each linear layer is an Int4Linear whose weights dequantise to exactly
-    the dequantised float32 weights; a Q4 LM head (tied or not) is int4, a Q8_0 one stays float.
-    Logits stay within 1e-4 (relative) of the float32 model's through torch's int4 product (its
-    rounding: it adds a zero point of minimum + 8 * scale), and within 5 % through Tandem's, which
-    quantises the inputs to int8 as llama.cpp does."""
-    tied, head_type, int4_head, notes = HEADS_KEPT[head]
+    the dequantised float32 weights; a Q4 LM head (tied or not) is int4, a Q8_0 one int8 with the
+    file's blocks (exactly its weights too), an F16 one stays float. Logits stay within 1e-4
+    (relative) of the float32 model's through torch's products (int4's rounding: it adds a zero
+    point of minimum + 8 * scale), and within 5 % through Tandem's, which quantise the inputs to
+    int8 as llama.cpp does."""
+    tied, head_type, head_form, notes = HEADS_KEPT[head]
     weights = hf_weights(seed=2, tied=tied)
     types = {"token_embd.weight" if tied else "output.weight": head_type} if head_type else {}
     path = write_gguf(tmp_path / "m.gguf", gguf_arrays(weights, QT[kind], types))
     import_gguf(path, tmp_path / "float")
     report = import_gguf(path, tmp_path / "int4", keep_quantized=True)
-    embedding = f"token_embd.weight ({head_type.name if tied and head_type else kind}) dequantised"
-    assert report.notes == (embedding, *notes)
+    embedded = head_type.name if tied and head_type else kind
+    embedding = () if embedded == "F16" else (f"token_embd.weight ({embedded}) dequantised",)
+    assert report.notes == (*embedding, *notes)
     config = json.loads((tmp_path / "int4" / "config.json").read_text())
-    assert config["tandem_quantization"] == {"weight_dtype": "int4", "group_size": 32, "lm_head": int4_head}
+    assert config["tandem_quantization"] == {"weight_dtype": "int4", "group_size": 32, "lm_head": head_form}
     dense, kept = load_model(tmp_path / "float"), load_model(tmp_path / "int4")
     linears = {n: m for n, m in kept.named_modules() if isinstance(m, Int4Linear)}
-    assert len(linears) == 4 * LAYERS + int4_head
-    assert (getattr(kept.lm_head, "weight", None) is kept.embed_tokens.weight) == (tied and not int4_head)
+    assert len(linears) == 4 * LAYERS + (head_form is True)
+    assert (getattr(kept.lm_head, "weight", None) is kept.embed_tokens.weight) == (tied and head_form is False)
     dense_weights = dict(dense.named_parameters(remove_duplicate=False))
     for name, module in linears.items():
         groups = module.values().view(module.out_features, -1, 32).float()
         w = (module.minimums[..., None] + groups * module.scales[..., None]).view(module.out_features, -1)
         assert torch.equal(w, dense_weights[f"{name}.weight"]), name
+    if head_form == "int8":
+        assert isinstance(kept.lm_head, Int8Linear) and kept.lm_head.block_size == 32
+        assert torch.equal(kept.lm_head.dense(), dense_weights["lm_head.weight"])
     assert torch.equal(kept.embed_tokens.weight, dense.embed_tokens.weight)
     assert rel_err(last_logits(kept, PROMPT), last_logits(dense, PROMPT)) <= 5e-2
     monkeypatch.setattr(quant, "INT4_SKINNY_ROWS", 0)
+    monkeypatch.setattr(quant, "INT8_SKINNY_ROWS", 0)
     assert rel_err(last_logits(kept, PROMPT), last_logits(dense, PROMPT)) <= 1e-4
 
 
@@ -462,7 +469,7 @@ def test_a_tied_float_head_round_trips_through_save_quantized(tmp_path):
 
 def test_keep_quantized_refuses_other_linear_types(weights, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", gguf_arrays(weights, QT.Q4_0, {"blk.1.attn_v.weight": QT.Q8_0}))
-    with pytest.raises(ModelFormatError, match=r"'blk\.1\.attn_v\.weight' is Q8_0.*per-channel int8"):
+    with pytest.raises(ModelFormatError, match=r"'blk\.1\.attn_v\.weight' is Q8_0.*for the LM head only"):
         import_gguf(path, tmp_path / "m", keep_quantized=True)
     import_gguf(path, tmp_path / "dequantised")  # without the option, it is dequantised
 
@@ -694,18 +701,16 @@ def test_real_model_matches_transformers(real_folders, transformers_real):
 @real
 @pytest.mark.slow
 def test_real_kept_int4_is_the_files_weights(real_folders, monkeypatch):
-    """Kept Q4_1 blocks dequantise to exactly the dequantised float32 weights; the LM head is the
-    Q8_0 embedding table (tied), in float. Through torch's int4 product, logits within 1e-4
+    """Kept Q4_1 blocks dequantise to exactly the dequantised float32 weights; the LM head keeps
+    the Q8_0 embedding table's blocks (tied in the file) as int8, exactly its weights too. Through
+    torch's products, logits within 1e-4
     (relative) of the float32 model's (measured: 2.7e-6) and the same greedy tokens; through
     Tandem's, which quantises the inputs to int8 per block of 32 as llama.cpp does, within 5 %
     (measured: 1.6-4.0 % over four prompts)."""
     dense_report, kept_report = real_folders["reports"]
-    assert kept_report.notes == (
-        "token_embd.weight (Q8_0) dequantised",
-        "the LM head is the embedding table (tied), in float",
-    )
+    assert kept_report.notes == ("token_embd.weight (Q8_0) dequantised",)
     dense, kept = load_model(real_folders["float"]), load_model(real_folders["int4"])
-    assert kept.quantization == {"weight_dtype": "int4", "group_size": 32, "lm_head": False}
+    assert kept.quantization == {"weight_dtype": "int4", "group_size": 32, "lm_head": "int8"}
     params = dict(dense.named_parameters(remove_duplicate=False))
     linears = {n: m for n, m in kept.named_modules() if isinstance(m, Int4Linear)}
     assert len(linears) == 4 * 30
@@ -714,9 +719,11 @@ def test_real_kept_int4_is_the_files_weights(real_folders, monkeypatch):
         w = (module.minimums[..., None] + groups * module.scales[..., None]).view(module.out_features, -1)
         assert torch.equal(w, params[f"{name}.weight"]), name
     assert torch.equal(kept.embed_tokens.weight, dense.embed_tokens.weight)
+    assert torch.equal(kept.lm_head.dense(), params["lm_head.weight"])
     prompt = Tokenizer(real_folders["int4"]).encode(REAL_PROMPT)
     assert rel_err(last_logits(kept, prompt), last_logits(dense, prompt)) <= 5e-2
     monkeypatch.setattr(quant, "INT4_SKINNY_ROWS", 0)
+    monkeypatch.setattr(quant, "INT8_SKINNY_ROWS", 0)
     assert rel_err(last_logits(kept, prompt), last_logits(dense, prompt)) <= 1e-4
     assert generate(kept, [prompt], 8)[0].tokens == generate(dense, [prompt], 8)[0].tokens
     print(f"import: {dense_report.seconds:.1f} s dequantised, {kept_report.seconds:.1f} s kept int4")

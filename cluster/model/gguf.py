@@ -30,7 +30,7 @@ from cluster.model.arch import ModelArch, ModelFormatError
 
 DEFAULT_CACHE_DIR = Path("~/.cache/tandem/gguf")
 # Part of each cache folder's name: raise it when the import writes something different.
-IMPORT_VERSION = 1
+IMPORT_VERSION = 2  # 2: a Q8_0 LM head of a kept import stays int8
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A GGUF file's tensors as Tandem weights: dequantised under their Hugging Face names, or with
-Q4_0/Q4_1 blocks kept as `cluster.model.quant.Int4Linear` weights (group size 32).
+Q4_0/Q4_1 blocks kept as `cluster.model.quant.Int4Linear` weights (group size 32), and a Q8_0 LM head's
+blocks as an `Int8Linear`'s (a scale per block of 32).
 
 llama.cpp's converter reorders the rows of Llama's `q_proj` and `k_proj` within each head (its
 RoPE rotates interleaved pairs, Hugging Face's rotates halves); `unpermute` puts them back. Rows
@@ -163,11 +164,12 @@ def linear_modules(arch: ModelArch) -> set[str]:
 
 def int4_state(
     arch: ModelArch, tensors: dict[str, Any], dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], bool, list[str]]:
-    """(Tandem's state dict with every linear layer's Q4_0/Q4_1 blocks as Int4Linear buffers,
-    whether the LM head is int4, notes on what was dequantised). The embedding table and the norms
-    are dequantised (Tandem keeps them in float); an LM head that cannot stay int4 stays in float
-    too. Any other linear weight that cannot is refused, by name."""
+) -> tuple[dict[str, torch.Tensor], bool | str, list[str]]:
+    """(Tandem's state dict with every linear layer's Q4_0/Q4_1 blocks as Int4Linear buffers, the
+    LM head's form (True: int4; "int8": its Q8_0 blocks kept as an Int8Linear's; False: float),
+    notes on what was dequantised). The embedding table and the norms are dequantised (Tandem keeps
+    them in float); an LM head that can stay neither int4 nor int8 stays in float too. Any other
+    linear weight that cannot stay int4 is refused, by name."""
     names = check_names(arch, tensors)
     expected, linears = expected_shapes(arch), linear_modules(arch)
     pieces: dict[str, list[tuple[int, str]]] = {}
@@ -186,6 +188,9 @@ def int4_state(
                     module, [(tensors[names[hf]], expected[hf], heads_permuted(arch, hf)) for hf in hfs], dtype
                 )
                 continue
+            if module == "lm_head" and [kind for _, kind in files] == ["Q8_0"]:
+                state |= _int8_buffers(tensors[names[hfs[0]]], expected[hfs[0]], dtype)
+                continue
             if module != "lm_head":
                 raise ModelFormatError(problem)
         values = [unpermute(dequantize(tensors[names[hf]], expected[hf]), heads_permuted(arch, hf)) for hf in hfs]
@@ -195,9 +200,22 @@ def int4_state(
     if arch.tie_word_embeddings:
         if _int4_problem([(embedding.name, embedding.tensor_type.name)], arch.vocab_size) is None:
             state |= _int4_buffers("lm_head", [(embedding, expected["model.embed_tokens.weight"], None)], dtype)
+        elif embedding.tensor_type.name == "Q8_0":
+            state |= _int8_buffers(embedding, expected["model.embed_tokens.weight"], dtype)
         else:
             notes.append("the LM head is the embedding table (tied), in float")
-    return state, "lm_head.nibbles" in state, notes
+    head = True if "lm_head.nibbles" in state else "int8" if "lm_head.scales" in state else False
+    return state, head, notes
+
+
+def _int8_buffers(tensor: Any, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The LM head's buffers as an Int8Linear with a scale per block of 32 (`quant.Q8_0_BLOCK`),
+    from a Q8_0 tensor's blocks as they are: w = scale * value, blockwise."""
+    n, k = shape
+    blocks = _checked(tensor, shape).view(np.ndarray).reshape(n, k // 32, 2 + 32)  # d, then 32 int8 values
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    return {"lm_head.weight": torch.from_numpy(values), "lm_head.scales": torch.from_numpy(scales).to(dtype)}
 
 
 _FLOATS = ("F32", "F16", "BF16")
@@ -208,7 +226,7 @@ def _int4_problem(files: list[tuple[str, str]], rows: int) -> str | None:
     """Why a linear weight made of GGUF tensors `files` ((name, type) each) cannot stay int4, or None."""
     for name, kind in files:
         if kind not in Q4_TYPES:
-            why = " (Q8_0's blocks of 32 do not fit Tandem's per-channel int8)" if kind == "Q8_0" else ""
+            why = " (Q8_0 blocks are kept for the LM head only)" if kind == "Q8_0" else ""
             return (
                 f"tensor {name!r} is {kind}: keeping quantised weights takes Q4_0/Q4_1 blocks only{why}; "
                 "import without keep-quantized to dequantise it"

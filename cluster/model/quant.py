@@ -44,6 +44,8 @@ WEIGHT_DTYPES = ("auto", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 INT8_SKINNY_ROWS = 16  # up to how many rows an int8 product goes through `tandem_cpu::skinny_linear_int8`
 INT4_SKINNY_ROWS = 16  # and an int4 one through `tandem_cpu::skinny_linear_int4`
+Q8_0_BLOCK = 32  # input columns per scale of GGUF's Q8_0, which a kept file's int8 LM head keeps
+LM_HEADS = (True, False, "int8")  # a quantised model's LM head: as its layers, in float, or Q8_0's int8 blocks
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,13 +68,21 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 
 class Int8Linear(nn.Module):
+    """int8 weights with a scale per output channel, or (`block_size`, GGUF's Q8_0 kept as it is) a
+    scale per block of `Q8_0_BLOCK` input columns of each row."""
+
     dense_from_rows = 128  # rows from which a product dequantises its weights and runs dense (measured)
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool, block_size: int | None = None
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        if block_size not in (None, Q8_0_BLOCK) or (block_size and in_features % block_size):
+            raise ValueError(f"int8 blocks take {Q8_0_BLOCK} columns, dividing in_features ({in_features})")
+        self.in_features, self.out_features, self.block_size = in_features, out_features, block_size
+        scales = (out_features,) if block_size is None else (out_features, in_features // block_size)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(out_features, dtype=dtype))
+        self.register_buffer("scales", torch.empty(scales, dtype=dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
 
     @classmethod
@@ -88,14 +98,23 @@ class Int8Linear(nn.Module):
 
     def dense(self) -> torch.Tensor:
         """The weights dequantised, [N, K] in the activations' dtype."""
-        return (self.weight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+        if self.block_size is None:
+            return (self.weight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+        blocks = self.weight.view(self.out_features, -1, self.block_size).float() * self.scales.float()[..., None]
+        return blocks.view(self.out_features, self.in_features).to(self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
+        few = rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu"
         if rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
-        elif rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu" and skinny(flat.dtype):
+        elif self.block_size is not None:  # no torch product takes scales per block
+            if few and cpu_kernels.used():
+                y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self.scales)
+            else:
+                y = torch.nn.functional.linear(flat, self.dense())
+        elif few and skinny(flat.dtype):
             y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self.scales)
         else:
             y = torch._weight_int8pack_mm(flat, self.weight, self.scales)
@@ -232,10 +251,17 @@ def quantize(model: nn.Module, weight_dtype: str, group_size: int = 128, lm_head
     return model
 
 
-def quantized_skeleton(model: nn.Module, weight_dtype: str, group_size: int, lm_head: bool) -> nn.Module:
-    """`model` with empty quantised modules in place of its linear layers, ready for a saved state."""
-    for parent, name, linear in _linears(model, lm_head):
+def quantized_skeleton(model: nn.Module, weight_dtype: str, group_size: int, lm_head: bool | str) -> nn.Module:
+    """`model` with empty quantised modules in place of its linear layers, ready for a saved state;
+    the LM head quantised as the layers (True), left as it is (False), or (`"int8"`) int8 with a
+    scale per block of `Q8_0_BLOCK` columns, as a GGUF file's Q8_0 LM head is kept."""
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"lm_head must be one of {LM_HEADS}, not {lm_head!r}")
+    for parent, name, linear in _linears(model, lm_head is True):
         setattr(parent, name, _module(linear, weight_dtype, group_size, empty=True))
+    if lm_head == "int8":
+        head = model.lm_head
+        model.lm_head = Int8Linear(head.in_features, head.out_features, head.weight.dtype, False, Q8_0_BLOCK)
     model.quantization = {"weight_dtype": weight_dtype, "group_size": group_size, "lm_head": lm_head}
     return model
 

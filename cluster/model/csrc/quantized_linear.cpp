@@ -54,16 +54,18 @@ struct Quantised {
   std::vector<int8_t> q;     // [rows, k]; split: each row's even columns, then its odd ones
   std::vector<float> scale;  // [rows, blocks]
   std::vector<float> lane;   // [rows, lanes]: each lane's block scale, for vectors of lanes
-  std::vector<float> sums;   // [rows, k / group]: the quantised inputs' sums over each group, where asked
+  std::vector<float> sums;   // [rows, blocks]: each block's quantised inputs summed, times its scale
+  std::vector<float> lane_offset;  // [rows, lanes]: 128 * its block's sum, spread evenly over the block's lanes
 };
 
 template <typename T>
-Quantised quantise(const T* x, int64_t rows, int64_t k, bool split, int64_t lane_columns, int64_t group) {
-  Quantised a{k, (k + kBlock - 1) / kBlock, (k + lane_columns - 1) / lane_columns, {}, {}, {}, {}};
+Quantised quantise(const T* x, int64_t rows, int64_t k, bool split, int64_t lane_columns) {
+  Quantised a{k, (k + kBlock - 1) / kBlock, (k + lane_columns - 1) / lane_columns, {}, {}, {}, {}, {}};
   a.q.resize(rows * k);
   a.scale.resize(rows * a.blocks);
   a.lane.resize(rows * a.lanes);
-  a.sums.resize(group > 0 ? rows * (k / group) : 0);
+  a.sums.resize(rows * a.blocks);
+  a.lane_offset.resize(rows * a.lanes);
   float block[kBlock];
   for (int64_t m = 0; m < rows; ++m) {
     const T* xr = x + m * k;
@@ -76,28 +78,32 @@ Quantised quantise(const T* x, int64_t rows, int64_t k, bool split, int64_t lane
         most = std::max(most, std::abs(block[i]));
       }
       const float inverse = most > 0.f ? 127.f / most : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0, c = c0; i < width; ++i, ++c) {
+        const int8_t v = static_cast<int8_t>(std::nearbyint(block[i] * inverse));
+        qr[split ? (c & 1) * (k / 2) + c / 2 : c] = v;
+        sum += v;
+      }
       a.scale[m * a.blocks + b] = most / 127.f;
-      for (int64_t i = 0, c = c0; i < width; ++i, ++c)
-        qr[split ? (c & 1) * (k / 2) + c / 2 : c] = static_cast<int8_t>(std::nearbyint(block[i] * inverse));
+      a.sums[m * a.blocks + b] = a.scale[m * a.blocks + b] * static_cast<float>(sum);
     }
-    for (int64_t l = 0; l < a.lanes; ++l) a.lane[m * a.lanes + l] = a.scale[m * a.blocks + l * lane_columns / kBlock];
-    for (int64_t g = 0; group > 0 && g < k / group; ++g) {
-      float sum = 0.f;
-      for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += a.scale[m * a.blocks + c / kBlock] * qr[split ? (c & 1) * (k / 2) + c / 2 : c];
-      a.sums[m * (k / group) + g] = sum;
+    for (int64_t l = 0; l < a.lanes; ++l) {
+      const int64_t b = l * lane_columns / kBlock;
+      a.lane[m * a.lanes + l] = a.scale[m * a.blocks + b];
+      a.lane_offset[m * a.lanes + l] = 128.f * a.sums[m * a.blocks + b] * lane_columns / kBlock;
     }
   }
   return a;
 }
 
 // `x` [rows, k] in float32, bfloat16 or float16, quantised (`quantise`).
-Quantised quantise(const at::Tensor& x, bool split, int64_t lane_columns, int64_t group, const char* name) {
+Quantised quantise(const at::Tensor& x, bool split, int64_t lane_columns, const char* name) {
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
   switch (x.scalar_type()) {
-    case at::kFloat: return quantise(xc.data_ptr<float>(), rows, k, split, lane_columns, group);
-    case at::kBFloat16: return quantise(xc.data_ptr<c10::BFloat16>(), rows, k, split, lane_columns, group);
-    case at::kHalf: return quantise(xc.data_ptr<c10::Half>(), rows, k, split, lane_columns, group);
+    case at::kFloat: return quantise(xc.data_ptr<float>(), rows, k, split, lane_columns);
+    case at::kBFloat16: return quantise(xc.data_ptr<c10::BFloat16>(), rows, k, split, lane_columns);
+    case at::kHalf: return quantise(xc.data_ptr<c10::Half>(), rows, k, split, lane_columns);
     default: TORCH_CHECK(false, name, " takes float32, bfloat16 or float16 activations");
   }
 }
@@ -138,13 +144,15 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Sum over the blocks from column c0 (a block's first) of scale[b] * <q, w> over the block.
-inline float dot_int8(const int8_t* q, const float* scale, const int8_t* w, int64_t c0, int64_t k) {
+// Sum over the blocks from column c0 (a block's first) of scale[b] * <q, w> over the block, times
+// the weights' own scale of the block where they have one (`wblock`, else nullptr).
+inline float dot_int8(const int8_t* q, const float* scale, const int8_t* w, const float* wblock, int64_t c0,
+                      int64_t k) {
   float sum = 0.f;
   for (int64_t c = c0; c < k; c += kBlock) {
     int32_t dot = 0;
     for (int64_t i = c; i < std::min(k, c + kBlock); ++i) dot += int32_t{q[i]} * int32_t{w[i]};
-    sum += scale[c / kBlock] * static_cast<float>(dot);
+    sum += scale[c / kBlock] * (wblock != nullptr ? wblock[c / kBlock] : 1.f) * static_cast<float>(dot);
   }
   return sum;
 }
@@ -175,18 +183,33 @@ inline float sum8(__m256 v) {
 }
 #endif
 
-// y[m * ldy + n] = wscale[n] * <x[m], w[n]> for n in [n0, n1), x as quantised (`a`, from row `m0`).
-template <int Rows, typename Y>
-void product_int8(const Quantised& a, int64_t m0, const float* offset, const int8_t* w, const float* wscale,
-                  int64_t n0, int64_t n1, Y* y, int64_t ldy) {
+// y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), x as quantised (`a`, from row `m0`), times the
+// weights' scales: one a row (`wscale[n]`), or with `Blocks` one a block of 32 columns
+// (`wscale[n * blocks + b]`, GGUF's Q8_0).
+template <int Rows, bool Blocks, typename Y>
+void product_int8(const Quantised& a, int64_t m0, const int8_t* w, const float* wscale, int64_t n0, int64_t n1, Y* y,
+                  int64_t ldy) {
   const int64_t k = a.k;
   const int8_t* q = a.q.data() + m0 * k;
   const float* scale = a.scale.data() + m0 * a.blocks;
+  const auto row_scale = [&](int64_t n) { return Blocks ? 1.f : wscale[n]; };
+  const auto blocks_of = [&](int64_t n) { return Blocks ? wscale + n * a.blocks : nullptr; };
 #if defined(__AVX512VNNI__)
+  // `vpdpbusd` takes the weights offset by 128: 128 * the row's quantised inputs comes off again,
+  // once a row (one scale a row), or block by block before the weights' scale (one a block).
   const float* lane = a.lane.data() + m0 * a.lanes;
+  const float* lane_offset = a.lane_offset.data() + m0 * a.lanes;
+  const float* sums = a.sums.data() + m0 * a.blocks;
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i block_of_lane = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+  float row_offset[Rows];  // with a scale a row: the same for every weight row
+  for (int m = 0; m < Rows; ++m) {
+    row_offset[m] = 0.f;
+    for (int64_t b = 0; !Blocks && b < a.blocks; ++b) row_offset[m] += 128.f * sums[m * a.blocks + b];
+  }
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * k;
+    const float* wblock = blocks_of(n);
     __m512 acc[Rows];
     for (int m = 0; m < Rows; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 64) {
@@ -195,41 +218,56 @@ void product_int8(const Quantised& a, int64_t m0, const float* offset, const int
       const __mmask16 lanes = lanes_from((k - c + 3) / 4);
       // w + 128, unsigned; masked-off columns are 0 in x, so they add nothing
       const __m512i offset_w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, row + c), sign);
+      __m512 ws = _mm512_set1_ps(1.f);
+      if constexpr (Blocks) {  // two blocks a vector, eight lanes each
+        const __mmask16 two = lanes_from(std::min<int64_t>(2, (k - c) / kBlock));
+        ws = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(two, wblock + c / kBlock));
+      }
       for (int m = 0; m < Rows; ++m) {
         const __m512i x = _mm512_maskz_loadu_epi8(bytes, q + m * k + c);
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset_w, x);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_maskz_loadu_ps(lanes, lane + m * a.lanes + c / 4), acc[m]);
+        const __m512 xs = _mm512_maskz_loadu_ps(lanes, lane + m * a.lanes + c / 4);
+        if constexpr (Blocks) {
+          const __m512 offset = _mm512_maskz_loadu_ps(lanes, lane_offset + m * a.lanes + c / 4);
+          acc[m] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(dot), xs, offset), ws, acc[m]);
+        } else
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xs, acc[m]);
       }
     }
-    for (int m = 0; m < Rows; ++m)
-      y[m * ldy + n] = static_cast<Y>(wscale[n] * (_mm512_reduce_add_ps(acc[m]) - offset[m0 + m]));
+    for (int m = 0; m < Rows; ++m) {
+      y[m * ldy + n] = static_cast<Y>(row_scale(n) * (_mm512_reduce_add_ps(acc[m]) - row_offset[m]));
+    }
   }
 #elif defined(__AVX2__)
   const int64_t vector_end = k - k % kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * k;
+    const float* wblock = blocks_of(n);
     __m256 acc[Rows];
     for (int m = 0; m < Rows; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < vector_end; c += kBlock) {
       if (c % 64 == 0) prefetch_ahead(row + c);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
       const __m256i magnitude = _mm256_abs_epi8(wv);
+      const float ws = Blocks ? wblock[c / kBlock] : 1.f;
       for (int m = 0; m < Rows; ++m) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * k + c));
         const __m256i dot = dot4(magnitude, _mm256_sign_epi8(x, wv));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[m * a.blocks + c / kBlock]), acc[m]);
+        const __m256 block_scale = _mm256_set1_ps(scale[m * a.blocks + c / kBlock] * ws);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), block_scale, acc[m]);
       }
     }
     for (int m = 0; m < Rows; ++m) {
-      const float tail = dot_int8(q + m * k, scale + m * a.blocks, row, vector_end, k);
-      y[m * ldy + n] = static_cast<Y>(wscale[n] * (sum8(acc[m]) + tail));
+      const float tail = dot_int8(q + m * k, scale + m * a.blocks, row, wblock, vector_end, k);
+      y[m * ldy + n] = static_cast<Y>(row_scale(n) * (sum8(acc[m]) + tail));
     }
   }
 #else
-  (void)offset;
   for (int64_t n = n0; n < n1; ++n)
-    for (int m = 0; m < Rows; ++m)
-      y[m * ldy + n] = static_cast<Y>(wscale[n] * dot_int8(q + m * k, scale + m * a.blocks, w + n * k, 0, k));
+    for (int m = 0; m < Rows; ++m) {
+      const float dot = dot_int8(q + m * k, scale + m * a.blocks, w + n * k, blocks_of(n), 0, k);
+      y[m * ldy + n] = static_cast<Y>(row_scale(n) * dot);
+    }
 #endif
 }
 
@@ -319,26 +357,26 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& weight, con
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear_int8 takes x [rows, k] and weight [n, k]");
   TORCH_CHECK(weight.scalar_type() == at::kChar, "skinny_linear_int8 takes int8 weights");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == weight.size(0), "skinny_linear_int8 takes a scale per weight row");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_int8 runs on CPU tensors");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear_int8 takes at most ", kMaxRows, " rows, not ", x.size(0));
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  const bool blocks = scales.dim() == 2;
+  TORCH_CHECK(scales.size(0) == n && (scales.dim() == 1 || (blocks && k % kBlock == 0 && scales.size(1) == k / kBlock)),
+              "skinny_linear_int8 takes a scale per weight row [n], or per block of ", kBlock, " columns [n, k / ",
+              kBlock, "]");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_int8 runs on CPU tensors");
+  TORCH_CHECK(rows <= kMaxRows, "skinny_linear_int8 takes at most ", kMaxRows, " rows, not ", rows);
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const Quantised a = quantise(x, /*split=*/false, /*lane_columns=*/4, /*group=*/0, "skinny_linear_int8");
-  // 128 * (each row's sum of inputs): what offsetting the weights by 128 adds to its products.
-  std::vector<float> offset(rows, 0.f);
-#if defined(__AVX512VNNI__)
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t c = 0; c < k; ++c) offset[m] += 128.f * a.scale[m * a.blocks + c / kBlock] * a.q[m * k + c];
-#endif
+  const Quantised a = quantise(x, /*split=*/false, /*lane_columns=*/4, "skinny_linear_int8");
   std::vector<float> scale_copy;
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = as_float(scales, scale_copy);
   over_weight_rows(y, wp, std::max<int64_t>(1, k), "skinny_linear_int8",
                    [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
-                     product_int8<decltype(r)::value>(a, m, offset.data(), wp, sp, t0, t1, yp + m * n, n);
+                     if (blocks)
+                       product_int8<decltype(r)::value, true>(a, m, wp, sp, t0, t1, yp + m * n, n);
+                     else
+                       product_int8<decltype(r)::value, false>(a, m, wp, sp, t0, t1, yp + m * n, n);
                    });
   return y;
 }
@@ -360,10 +398,13 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
   const at::Tensor q = nibbles.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const Quantised a = quantise(x, /*split=*/true, /*lane_columns=*/8, group_size, "skinny_linear_int4");
+  const Quantised a = quantise(x, /*split=*/true, /*lane_columns=*/8, "skinny_linear_int4");
+  std::vector<float> group_sums(rows * groups, 0.f);  // the quantised inputs' sums over each group
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t b = 0; b < a.blocks; ++b) group_sums[m * groups + b * kBlock / group_size] += a.sums[m * a.blocks + b];
   std::vector<float> scale_copy, low_copy;
   const float *sp = as_float(scales, scale_copy), *lp = as_float(minimums, low_copy);
-  const float* xs = a.sums.data();
+  const float* xs = group_sums.data();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   over_weight_rows(y, qp, std::max<int64_t>(1, k / 2), "skinny_linear_int4",
                    [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
