@@ -10,7 +10,8 @@ files llama.cpp's own quantiser writes from it (`--allow-requantize`): BF16 and 
 
     bf16   llama.cpp on the BF16 file; Tandem on the same file imported in bfloat16
     q8_0   llama.cpp on the Q8_0 file; Tandem on the BF16 file with int8 weights (per channel)
-    q4_1   llama.cpp on the package's file; Tandem on the file's own Q4_1 blocks kept as int4 (g32)
+    q4_1   llama.cpp on the package's file; Tandem on the file's own Q4_1 blocks kept as int4 (g32),
+           its Q8_0 LM head as int8 blocks
 
 Per setting and round, llama.cpp's `llama-bench` (decode of 128 tokens after a 512-token context,
 and a 512-token prompt) and then Tandem in a process of its own (the decode step at batch 1 with a
@@ -186,12 +187,16 @@ def main() -> None:
         raise SystemExit("building llama.cpp needs cmake and ninja")
 
     from cluster.cpu import cpu_kind
-    from cluster.model.gguf import import_gguf
+    from cluster.model.gguf import IMPORT_VERSION, import_gguf
 
     source = smollm2_gguf()
     tools = llama_cpp()
     files = gguf_files(tools, source)
-    folders = {"bfloat16": CACHE / "tandem-bf16", "int4 kept": CACHE / "tandem-q4_1-kept"}
+    # Named by the import's version: an import by an older Tandem may write the file's tensors otherwise.
+    folders = {
+        name: CACHE / f"tandem-{kind}-v{IMPORT_VERSION}"
+        for name, kind in (("bfloat16", "bf16"), ("int4 kept", "q4_1-kept"))
+    }
     if not (folders["bfloat16"] / "config.json").exists():
         import_gguf(files["BF16"], folders["bfloat16"], dtype="bfloat16")
     if not (folders["int4 kept"] / "config.json").exists():

@@ -84,6 +84,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(scales, dtype=dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
+        # A float32 copy of a block-scaled layer's scales for the kernel, rebuilt whenever they are
+        # loaded: converting an LM head's 900k bfloat16 scales took 0.3 ms a step.
+        self.scales_f32: torch.Tensor | None = None
+        self.register_load_state_dict_post_hook(lambda module, keys: module._copy_scales())
+
+    def _copy_scales(self) -> None:
+        self.scales_f32 = self.scales.float().contiguous() if self.block_size is not None else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -111,7 +118,8 @@ class Int8Linear(nn.Module):
             y = torch.nn.functional.linear(flat, self.dense())
         elif self.block_size is not None:  # no torch product takes scales per block
             if few and cpu_kernels.used():
-                y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self.scales)
+                scales = self.scales_f32 if self.scales_f32 is not None else self.scales
+                y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, scales)
             else:
                 y = torch.nn.functional.linear(flat, self.dense())
         elif few and skinny(flat.dtype):
