@@ -462,3 +462,36 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path)
     _clear_stale_lock(tmp_path)
     assert not lock.exists()
     _clear_stale_lock(tmp_path)  # no lock at all: nothing to do
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_writes_the_weights_torch_expressions_write(dtype):
+    """`dequantize_int8` (a scale per row, or per block of 32) and `dequantize_int4` (each group size)
+    write what the layers' torch expressions do (int8 exactly; int4 to one rounding, where one side
+    fuses its multiply-add): float32 arithmetic rounded once to the dtype; the layers' `dense` uses
+    them."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 256, generator=gen)
+    q, scales = quantize_int8(w)
+    scales = scales.to(dtype)
+    expected = (q.float() * scales.float()[:, None]).to(dtype)
+    assert torch.equal(torch.ops.tandem_cpu.dequantize_int8(q, scales, dtype), expected)
+    blocks = torch.rand(48, 256 // 32, generator=gen).to(dtype)
+    expected = (q.view(48, -1, 32).float() * blocks.float()[..., None]).view(48, 256).to(dtype)
+    assert torch.equal(torch.ops.tandem_cpu.dequantize_int8(q, blocks, dtype), expected)
+    for group in (32, 64, 128, 256):
+        values, group_scales, low = quantize_int4(w, group)
+        nibbles = values[:, 0::2] | (values[:, 1::2] << 4)
+        group_scales, low = group_scales.to(dtype), low.to(dtype)
+        spread = [t.float().repeat_interleave(group, 1) for t in (low, group_scales)]
+        expected = torch.addcmul(spread[0], values.float(), spread[1]).to(dtype)
+        got = torch.ops.tandem_cpu.dequantize_int4(nibbles, group_scales, low, group, dtype)
+        # minimum + value * scale: fused or not, as the compiler and torch's build choose (one ulp)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got, expected, rtol=eps, atol=eps * expected.abs().max().item())
+    layer = Int8Linear.from_linear(nn.Linear(256, 48).to(dtype))
+    assert torch.equal(layer.dense(), (layer.weight.float() * layer.scales.float()[:, None]).to(dtype))
+    with pytest.raises(RuntimeError, match="per block of 32 columns"):
+        torch.ops.tandem_cpu.dequantize_int8(q, blocks[:, 1:], dtype)
+    with pytest.raises(RuntimeError, match=r"scales and minimums \[n, k / group_size\]"):
+        torch.ops.tandem_cpu.dequantize_int4(nibbles, group_scales, low, 32, dtype)

@@ -3,6 +3,9 @@
 - `skinny_linear` multiplies a few rows (up to `SKINNY_MAX_ROWS`) by a weight matrix, streaming
   each weight row once for all of them: decode's products, which torch's GEMM kernels run at a
   fraction of the memory bandwidth.
+- `skinny_linear_int8` and `_int4` are the same over int8 and 4-bit weights, multiplied in integers
+  against the inputs quantised to int8 per block of 32 columns (`csrc/quantized_linear.cpp`), and
+  `dequantize_int8` / `_int4` write such weights out dense in one pass, for a prompt's chunk.
 - `prefill_attention` is paged attention for prompt chunks: each sequence attends at its own length,
   where one batched call would pad every prompt to the longest; bfloat16 through a flash kernel of
   AVX512-BF16 pair products, other dtypes through torch's flash attention.
@@ -148,6 +151,10 @@ _library.define("skinny_linear_int8(Tensor x, Tensor weight, Tensor scales) -> T
 _library.define(
     "skinny_linear_int4(Tensor x, Tensor nibbles, Tensor scales, Tensor minimums, int group_size) -> Tensor"
 )
+_library.define("dequantize_int8(Tensor weight, Tensor scales, ScalarType dtype) -> Tensor")
+_library.define(
+    "dequantize_int4(Tensor nibbles, Tensor scales, Tensor minimums, int group_size, ScalarType dtype) -> Tensor"
+)
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used. It beats torch's GEMM on the CPUs measured at every
 # row count in float32 (`benchmarks/skinny_linear.py`). In bfloat16 it beats `F.linear` at every
@@ -181,3 +188,13 @@ def _(x, weight, scales):  # type: ignore[no-untyped-def]
 @torch.library.register_fake("tandem_cpu::skinny_linear_int4")
 def _(x, nibbles, scales, minimums, group_size):  # type: ignore[no-untyped-def]
     return x.new_empty(x.shape[0], nibbles.shape[0])
+
+
+@torch.library.register_fake("tandem_cpu::dequantize_int8")
+def _(weight, scales, dtype):  # type: ignore[no-untyped-def]
+    return weight.new_empty(weight.shape, dtype=dtype)
+
+
+@torch.library.register_fake("tandem_cpu::dequantize_int4")
+def _(nibbles, scales, minimums, group_size, dtype):  # type: ignore[no-untyped-def]
+    return nibbles.new_empty(nibbles.shape[0], 2 * nibbles.shape[1], dtype=dtype)

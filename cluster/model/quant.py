@@ -104,7 +104,9 @@ class Int8Linear(nn.Module):
         return module
 
     def dense(self) -> torch.Tensor:
-        """The weights dequantised, [N, K] in the activations' dtype."""
+        """The weights dequantised, [N, K] in the activations' dtype (in float32, rounded once)."""
+        if self.weight.device.type == "cpu" and cpu_kernels.used():  # one pass over the weights
+            return torch.ops.tandem_cpu.dequantize_int8(self.weight, self.scales, self.scales.dtype)
         if self.block_size is None:
             return (self.weight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
         blocks = self.weight.view(self.out_features, -1, self.block_size).float() * self.scales.float()[..., None]
@@ -196,7 +198,11 @@ class Int4Linear(nn.Module):
         self.scales_f32, self.minimums_f32 = self.scales.float().contiguous(), self.minimums.float().contiguous()
 
     def dense(self) -> torch.Tensor:
-        """The weights dequantised, [N, K] in the activations' dtype."""
+        """The weights dequantised, [N, K] in the activations' dtype (in float32, rounded once)."""
+        if self.nibbles.device.type == "cpu" and cpu_kernels.used():  # one pass over the weights
+            return torch.ops.tandem_cpu.dequantize_int4(
+                self.nibbles, self.scales, self.minimums, self.group_size, self.scales.dtype
+            )
         n, g = self.out_features, self.group_size
         values = torch.stack([self.nibbles & 0xF, self.nibbles >> 4], dim=-1).view(n, -1, g).float()
         w = torch.addcmul(self.minimums.float()[..., None], values, self.scales.float()[..., None])
