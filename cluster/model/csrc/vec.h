@@ -19,6 +19,10 @@
 #include <immintrin.h>
 #endif
 
+// On a lambda that a loop calls with accumulators of its own: inlined, so they stay in registers
+// (left to itself the compiler may call it, and every multiply-add goes through memory).
+#define TANDEM_INLINE __attribute__((always_inline))
+
 namespace tandem {
 
 // Calls body(std::integral_constant<int, n>{}) for n in [1, Max], so loops over n unroll and their
