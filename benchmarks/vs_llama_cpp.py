@@ -23,7 +23,7 @@ and a 512-token prompt) and then Tandem in a process of its own (the decode step
 512-token context, eager and compiled, and a 512-token prompt's pass) take turns. Rows give tokens
 per second (medians over rounds), the ratio Tandem / llama.cpp, and Tandem's decode bytes per second
 against the memory floor measured beside it. Prints the CPU, the kernel path, a table; writes
-`benchmarks/results/vs_llama_cpp.{json,png}`.
+`benchmarks/results/vs_llama_cpp.{json,png}` (`vs_llama_cpp_avx2.*` on a CPU without AVX-512).
 """
 
 from __future__ import annotations
@@ -246,9 +246,10 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "activations": activations}
     meta["llama_cpp_python"] = LLAMA_CPP_PYTHON
-    (OUT / "vs_llama_cpp.json").write_text(json.dumps({**meta, "rows": records}, indent=1))
-    plot(records, OUT / "vs_llama_cpp.png", meta)
-    print(f"\nwrote {OUT / 'vs_llama_cpp'}.json and .png")
+    stem = OUT / ("vs_llama_cpp" if "AVX-512" in cpu_kind() else "vs_llama_cpp_avx2")  # each kind of CPU its own
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": records}, indent=1))
+    plot(records, stem.with_suffix(".png"), meta)
+    print(f"\nwrote {stem}.json and .png")
 
 
 def record(name: str, runs: list[tuple[dict, dict]]) -> dict:

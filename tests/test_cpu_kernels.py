@@ -178,19 +178,22 @@ def test_prefill_attention_equals_padded_sdpa(dtype, chunks, window):
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
-# Longer than one key block (64) and one query block (32) of the bfloat16 kernel; one chunk starts
-# mid-block after cached positions, another ends one past a block.
+# Longer than one key block (64 for the AVX512-BF16 kernel, 32 or 64 for the float32-vector one) and
+# one query block (32); one chunk starts mid-block after cached positions, another ends one past a block.
 LONG_CHUNKS = [SeqChunk(list(range(40, 0, -1)), 70, 250), SeqChunk(list(range(41, 50)), 0, 65)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_prefill_attention_long_chunks_in_bfloat16(heads, kv_heads, dim):
-    """The bfloat16 kernel's blocks of queries and keys, several query heads per KV head or one,
-    and head dims of one and two 64-wide strips, against float32 attention on the same inputs."""
-    q, k_cache, v_cache, meta = _prefill_case(torch.bfloat16, LONG_CHUNKS, heads, kv_heads, dim, blocks=50)
+def test_prefill_attention_long_chunks(dtype, heads, kv_heads, dim):
+    """The flash kernels' blocks of queries and keys (bfloat16 through AVX512-BF16 pair products
+    where the CPU has them, every float dtype through float32 vectors), several query heads per KV
+    head or one, head dims of one and two strips, against float32 attention on the same inputs."""
+    q, k_cache, v_cache, meta = _prefill_case(dtype, LONG_CHUNKS, heads, kv_heads, dim, blocks=50)
     got, expected = _prefill(q, k_cache, v_cache, meta, None)
-    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
-    assert (got.float() - expected).abs().mean() < 2e-3  # bfloat16 rounding, not a wrong weight here and there
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    assert (got.float() - expected).abs().mean() < tol / 10  # rounding, not a wrong weight here and there
 
 
 def test_prefill_attention_reads_int8_rows_with_their_scales():
