@@ -15,7 +15,8 @@ held to AVX2 (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTI
 kernels' AVX2 build. It is a stand-in for such a machine (same memory, same cores), not one.
 
 Without `--model` it runs the `smollm-135m` preset (random weights). Prints a table, writes
-`benchmarks/results/cpu_kernel_paths[_avx2].{json,png}`.
+`benchmarks/results/cpu_kernel_paths[_avx2].{json,png}` (`_avx2_machine` where the CPU itself has no
+AVX-512).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def main() -> None:
                 f"{dtype:<10}{path:<14}{batch:>6}{step:>10.2f}{nbytes / 1e6:>9.0f}{gbps:>7.1f}"
                 f"{record['roofline']:>10.0%}{record['speedup_vs_torch']:>9.2f}x"
             )
-    name = "cpu_kernel_paths" + ("_avx2" if args.isa == "avx2" else "")
+    # an AVX-512 machine's own paths, its AVX2 stand-in, or an AVX2-only machine's own
+    suffix = "_avx2" if args.isa == "avx2" else "" if "AVX-512" in cpu_kind() else "_avx2_machine"
+    name = "cpu_kernel_paths" + suffix
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_kind(), "threads": args.threads, "model": folder.name, "isa": args.isa}
     (OUT / f"{name}.json").write_text(json.dumps({**meta, "rows": records}, indent=1))
