@@ -126,6 +126,27 @@ def llama_bench(tools: Path, model: Path, threads: int) -> dict[str, float]:
     return result
 
 
+def tandem_folders(files: dict[str, Path], source: Path, activations: str) -> dict[str, Path]:
+    """Tandem's model folder for each of its weights, imported once from llama.cpp's files."""
+    from cluster.model.gguf import IMPORT_VERSION, import_gguf
+
+    # Named by the import's version: an import by an older Tandem may write the file's tensors otherwise.
+    short = {"bfloat16": "bf16", "float32": "f32"}
+    imports = {  # Tandem's weights: (the file it is imported from, keep its blocks, dtype)
+        "bfloat16": (files["BF16"], False, "bfloat16"),
+        "float32": (files["F32"], False, "float32"),
+        "int4 kept": (source, True, activations),  # a kept folder loads in its import's dtype only
+    }
+    folders = {}
+    for weights, (gguf, keep, dtype) in imports.items():
+        name = f"q4_1-kept-{short[dtype]}" if keep else short[dtype]
+        folders[weights] = CACHE / f"tandem-{name}-v{IMPORT_VERSION}"
+        if not (folders[weights] / "config.json").exists():
+            import_gguf(gguf, folders[weights], keep_quantized=keep, dtype=dtype)
+    folders["int8"] = folders["bfloat16"]
+    return folders
+
+
 def tandem(folder: str, weights: str, activations: str, threads: int, repeat: int) -> dict:
     """This process's Tandem measurement of one setting (run by `--one`), its activations in `activations`."""
     import time
@@ -198,25 +219,10 @@ def main() -> None:
     if shutil.which("cmake") is None or shutil.which("ninja") is None:
         raise SystemExit("building llama.cpp needs cmake and ninja")
 
-    from cluster.model.gguf import IMPORT_VERSION, import_gguf
-
     source = smollm2_gguf()
     tools = llama_cpp()
     files = gguf_files(tools, source)
-    # Named by the import's version: an import by an older Tandem may write the file's tensors otherwise.
-    short = {"bfloat16": "bf16", "float32": "f32"}
-    imports = {  # Tandem's weights: (the file it is imported from, keep its blocks, dtype)
-        "bfloat16": (files["BF16"], False, "bfloat16"),
-        "float32": (files["F32"], False, "float32"),
-        "int4 kept": (source, True, activations),  # a kept folder loads in its import's dtype only
-    }
-    folders = {}
-    for weights, (gguf, keep, dtype) in imports.items():
-        name = f"q4_1-kept-{short[dtype]}" if keep else short[dtype]
-        folders[weights] = CACHE / f"tandem-{name}-v{IMPORT_VERSION}"
-        if not (folders[weights] / "config.json").exists():
-            import_gguf(gguf, folders[weights], keep_quantized=keep, dtype=dtype)
-    folders["int8"] = folders["bfloat16"]
+    folders = tandem_folders(files, source, activations)
 
     default = ["bf16" if activations == "bfloat16" else "f32", "q8_0", "q4_1"]
     chosen = args.settings.split(",") if args.settings else default
