@@ -147,7 +147,7 @@ def _prefill_case(
     k_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(sum(c.num_new for c in chunks), heads, dim, generator=gen).to(dtype)
-    return q, k_cache, v_cache, build_attention_metadata(chunks, BLOCK, frozenset({None, 6}))
+    return q, k_cache, v_cache, build_attention_metadata(chunks, BLOCK, frozenset({None, 6, 40}))
 
 
 def _prefill(q, k_cache, v_cache, meta, window, scale=0.2):  # type: ignore[no-untyped-def]
@@ -185,12 +185,14 @@ LONG_CHUNKS = [SeqChunk(list(range(40, 0, -1)), 70, 250), SeqChunk(list(range(41
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_prefill_attention_long_chunks(dtype, heads, kv_heads, dim):
+@pytest.mark.parametrize("window", [None, 40])
+def test_prefill_attention_long_chunks(dtype, heads, kv_heads, dim, window):
     """The flash kernels' blocks of queries and keys (bfloat16 through AVX512-BF16 pair products
-    where the CPU has them, every float dtype through float32 vectors), several query heads per KV
-    head or one, head dims of one and two strips, against float32 attention on the same inputs."""
+    where the CPU has them and no window is set, every float dtype through float32 vectors), several
+    query heads per KV head or one, head dims of one and two strips, a sliding window longer than a
+    key block (whole blocks before it are skipped), against float32 attention on the same inputs."""
     q, k_cache, v_cache, meta = _prefill_case(dtype, LONG_CHUNKS, heads, kv_heads, dim, blocks=50)
-    got, expected = _prefill(q, k_cache, v_cache, meta, None)
+    got, expected = _prefill(q, k_cache, v_cache, meta, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert (got.float() - expected).abs().mean() < tol / 10  # rounding, not a wrong weight here and there

@@ -86,4 +86,9 @@ def test_bfloat16_tracks_float32(hf_models):
     bf16 = prefill_logits(load_model(folder, "bfloat16"), prompt)
     assert bf16.dtype == torch.float32  # logits are returned in float32 either way
     assert rel_err(bf16, f32) < 0.05
-    assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() > 0.9
+    # Greedy choices agree but at near ties: where they part, float32's own top two are closer
+    # than bfloat16's rounding moves a logit (this random model's logits are about 1 in size).
+    agree = bf16.argmax(-1) == f32.argmax(-1)
+    assert agree.float().mean() > 0.8
+    best = f32.max(-1).values
+    assert (best - f32.gather(-1, bf16.argmax(-1, keepdim=True)).squeeze(-1) < 0.05).all()

@@ -8,8 +8,8 @@
   `dequantize_int8` / `_int4` write such weights out dense in one pass, for a prompt's chunk.
 - `prefill_attention` is paged attention for prompt chunks: each sequence attends at its own length,
   where one batched call would pad every prompt to the longest; bfloat16 through a flash kernel of
-  AVX512-BF16 pair products where the CPU has them, other float caches through a flash kernel in
-  float32 vectors, a sliding window or an int8 cache through torch's flash attention.
+  AVX512-BF16 pair products where the CPU has them, other float caches (and sliding windows) through
+  a flash kernel in float32 vectors, an int8 cache through torch's flash attention.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
   in place, through the block table (torch's paths either gather the cache into a copy first or,
   under `torch.compile`, spend most of their time on per-element index arithmetic).

@@ -4,12 +4,12 @@
 // longest one, as one batched call would, costs up to (longest / mean)^2 times the arithmetic for
 // prompts of mixed lengths. bfloat16 caches without a sliding window (head_dim a multiple of 64) go
 // through the flash kernel below, which runs both products as AVX512-BF16 pair products (about 5x
-// torch's CPU flash attention on 512-token prompts). Other float32, bfloat16 and float16 caches
-// without a window go through a flash kernel in float32 vectors (AVX2 or AVX-512; `vec.h`): 1.5x
-// torch's on a 512-token prompt on an AVX2 machine (AMD Zen 3), packing included. Other cases gather the sequence's blocks (and dequantise an int8
-// cache) and call torch's flash attention: with its causal rule for a chunk that starts at position
-// 0, else with an explicit mask (query i, at position num_cached + i, sees the keys at or before it,
-// and within the window).
+// torch's CPU flash attention on 512-token prompts). Other float32, bfloat16 and float16 caches,
+// with a sliding window or without, go through a flash kernel in float32 vectors (AVX2 or AVX-512;
+// `vec.h`): 1.5x torch's on a 512-token prompt on an AVX2 machine (AMD Zen 3), packing included.
+// An int8 cache is gathered and dequantised, and goes through torch's flash attention: with its
+// causal rule for a chunk that starts at position 0, else with an explicit mask (query i, at
+// position num_cached + i, sees the keys at or before it, and within the window).
 //
 // The CPU implementation of `tandem_cpu::prefill_attention`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
@@ -268,41 +268,44 @@ inline void output_tile(const float* p, const float* v, int64_t dim, int64_t d0,
   }
 }
 
-// One row's online-softmax step over a block of kKeys scores, the first `visible` seen: raises the
-// running maximum (rescaling the running sum and output row to it) and turns the scores into weights.
-inline void softmax_row(float* s, int64_t visible, float* top, float* sum, float* o, int64_t dim) {
-  visible = std::max<int64_t>(0, std::min(visible, kKeys));
+// One row's online-softmax step over a block of kKeys scores, of which [first, end) are seen: raises
+// the running maximum (rescaling the running sum and output row to it) and turns the scores into
+// weights.
+inline void softmax_row(float* s, int64_t first, int64_t end, float* top, float* sum, float* o, int64_t dim) {
+  first = std::clamp<int64_t>(first, 0, kKeys);
+  end = std::clamp<int64_t>(end, first, kKeys);
   float block_top = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < visible; ++c) block_top = std::max(block_top, s[c]);
+  for (int64_t c = first; c < end; ++c) block_top = std::max(block_top, s[c]);
   const float new_top = std::max(*top, block_top);
-  if (new_top == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
-    std::fill(s, s + kKeys, 0.f);
-    return;
-  }
+  std::fill(s, s + first, 0.f);  // unseen keys weigh exactly zero
+  std::fill(s + end, s + kKeys, 0.f);
+  if (new_top == -std::numeric_limits<float>::infinity()) return;  // nothing seen yet
   const float rescale = *top == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*top - new_top);
   const vfloat tops = vset1(new_top);
   vfloat sums = vzero();
-  int64_t c = 0;
-  for (; c + kLanes <= visible; c += kLanes) {
+  int64_t c = first;
+  for (; c + kLanes <= end; c += kLanes) {
     const vfloat e = vexp_nonpositive(vsub(vload(s + c), tops));
     vstore(s + c, e);
     sums = vadd(sums, e);
   }
   float total = vsum(sums);
-  for (; c < visible; ++c) {
+  for (; c < end; ++c) {
     s[c] = tandem::exp_nonpositive(s[c] - new_top);
     total += s[c];
   }
-  std::fill(s + visible, s + kKeys, 0.f);  // unseen keys weigh exactly zero
   *sum = *sum * rescale + total;
   *top = new_top;
   if (rescale != 1.f)
     for (int64_t d = 0; d < dim; ++d) o[d] *= rescale;
 }
 
+// One sequence's queries at positions [cached, cached + n) over its keys; with a `window`, a query
+// at position p sees the keys in (p - window, p], else all up to p.
 template <typename T>
 void flash_sequence(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
-                    int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim, float scale, T* out) {
+                    int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                    std::optional<int64_t> window, T* out) {
   const int64_t ctx = cached + n, padded = (ctx + kKeys - 1) / kKeys * kKeys;
   const int64_t groups = heads / kv_heads, q_blocks = (n + kRowBlock - 1) / kRowBlock;
   std::vector<float> kt(kv_heads * padded * dim), vr(kv_heads * padded * dim);
@@ -330,12 +333,15 @@ void flash_sequence(const T* q, const T* k_cache, const T* v_cache, const int64_
       const float* kh = &kt[h * padded * dim];
       const float* vh = &vr[h * padded * dim];
       const int64_t last = cached + first + nq - 1;  // the task's last position: keys past it are unseen
-      for (int64_t key0 = 0; key0 <= last; key0 += kKeys) {
+      const int64_t earliest = window ? std::max<int64_t>(0, cached + first - *window + 1) : 0;  // and before this
+      for (int64_t key0 = earliest / kKeys * kKeys; key0 <= last; key0 += kKeys) {
         const float* kb = kh + key0 * dim;  // the block's packed keys
         for (int64_t r = 0; r < padded_rows; r += kTileRows)
           for (int64_t c = 0; c < kKeys; c += kTileCols) score_tile(&qf[r * dim], dim, kb, c, &s[r * kKeys]);
-        for (int64_t r = 0; r < padded_rows; ++r)  // keys up to the row's own position are seen
-          softmax_row(&s[r * kKeys], position[r] - key0 + 1, &top[r], &sum[r], &o[r * dim], dim);
+        for (int64_t r = 0; r < padded_rows; ++r) {  // keys up to the row's own position (within the window) are seen
+          const int64_t from = window ? position[r] - *window + 1 : 0;
+          softmax_row(&s[r * kKeys], from - key0, position[r] - key0 + 1, &top[r], &sum[r], &o[r * dim], dim);
+        }
         for (int64_t r = 0; r < padded_rows; r += kTileRows)
           for (int64_t d = 0; d < dim; d += kTileCols) output_tile(&s[r * kKeys], vh + key0 * dim, dim, d, &o[r * dim]);
       }
@@ -421,7 +427,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   const bool flash = false;
 #endif
 #if defined(TANDEM_SIMD)
-  const bool vector_flash = plain && !flash && dim % generic::kTileCols == 0 && dim <= 256;
+  const bool vector_flash = !int8 && k_cache.is_contiguous() && v_cache.is_contiguous() && !flash &&
+                            dim % generic::kTileCols == 0 && dim <= 256;
 #else
   const bool vector_flash = false;
 #endif
@@ -445,7 +452,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
         using T = decltype(zero);
         generic::flash_sequence(qc.data_ptr<T>() + start * heads * dim, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                                 table, block_size, n, cached, heads, kv_heads, dim, static_cast<float>(scale),
-                                out.data_ptr<T>() + start * heads * dim);
+                                window, out.data_ptr<T>() + start * heads * dim);
       };
       switch (q.scalar_type()) {
         case at::kFloat: run(float{}); break;
