@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -101,8 +102,8 @@ def check_submit(
     return params
 
 
-def admit_submit(
-    context: grpc.ServicerContext,
+async def admit_submit(
+    context: grpc.aio.ServicerContext,
     worker: str,
     draining: bool,
     sampling: api_pb2.SamplingParams,
@@ -113,7 +114,7 @@ def admit_submit(
     try:
         return check_submit(worker, draining, sampling, waiting, limit)
     except Refused as e:
-        context.abort(e.code, e.details)
+        await context.abort(e.code, e.details)
         raise  # context.abort raises; this line is for the type checker
 
 
@@ -124,24 +125,24 @@ def kv_events_message(batch: KVBatch) -> worker_pb2.KVEvents:
     )
 
 
-def watch_loads(
+async def watch_loads(
     load: Callable[[], worker_pb2.WorkerLoad],
     request: worker_pb2.WatchRequest,
-    context: grpc.ServicerContext,
     stopped: threading.Event,
     changes: Changes,
     journal: KVJournal | None = None,
-) -> Iterator[worker_pb2.WorkerUpdate]:
-    """A worker's `Worker.Watch`: the load at once, again whenever it changes (at most one snapshot
-    per `min_interval_seconds`), and a heartbeat after `heartbeat_seconds` without a message. It
-    looks at the load only when the engine's `changes` moved, or a heartbeat is due. With
-    `kv_events` asked for and a `journal`, each message also carries the prefix cache's events since
-    the last (a snapshot first). It ends with the call or when the worker stops."""
+) -> AsyncIterator[worker_pb2.WorkerUpdate]:
+    """A worker's `Worker.Watch`, on its event loop: the load at once, again whenever it changes (at
+    most one snapshot per `min_interval_seconds`), and a heartbeat after `heartbeat_seconds` without
+    a message. It looks at the load only when the engine's `changes` moved, or a heartbeat is due.
+    With `kv_events` asked for and a `journal`, each message also carries the prefix cache's events
+    since the last (a snapshot first). It ends with the call (cancelled) or when the worker stops
+    (`stopped` set, then `changes` bumped)."""
     interval = max(request.min_interval_seconds or 0.01, 0.001)
     heartbeat = max(request.heartbeat_seconds or 0.5, interval)
     events = journal if request.kv_events else None
     last, sent_at, sequence, cursor, seen = None, 0.0, 0, None, -1
-    while context.is_active() and not stopped.is_set():
+    while not stopped.is_set():
         now = time.monotonic()
         due = now - sent_at >= heartbeat
         if changes.version != seen or due:
@@ -160,5 +161,5 @@ def watch_loads(
                 sequence += 1
                 yield worker_pb2.WorkerUpdate(sequence=sequence)
                 sent_at = now
-        stopped.wait(interval)  # at most one snapshot per interval; then asleep until a change or a heartbeat
-        changes.wait(seen, min(1.0, max(0.0, heartbeat - (time.monotonic() - sent_at))))
+        await asyncio.sleep(interval)  # at most one snapshot per interval; then asleep until a change or a heartbeat
+        await changes.changed(seen, min(1.0, max(0.0, heartbeat - (time.monotonic() - sent_at))))

@@ -6,7 +6,9 @@ Lifecycle of a worker:
     __init__   the engine, the worker's id, its collective groups, telemetry, the cluster's auth (the
                secret and TLS) and the wedged-engine canary; nothing runs yet
     start      binds the gRPC server (`tandem.v1.Worker`, the role's other services, health and
-               reflection) behind the cluster secret and TLS, serves metrics, then runs `_on_start()`
+               reflection) behind the cluster secret and TLS, on `grpc.aio` and an event loop of its
+               own (`front`): the streams (Submit, Watch, Steps) are served there, a call that waits
+               on the engine on the server's threads; serves metrics, then runs `_on_start()`
                (the role's background parts), the engine loop thread (`_run`) and the canary; returns
                the bound address
     Drain      from then on Submit answers UNAVAILABLE and health NOT_SERVING; it answers what remains
@@ -21,19 +23,22 @@ Drain reports), `_cancel` (what Abort does), `_busy()` (the canary's "holds work
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cluster.aio_server import AioServer, LoopThread, start_aio_server
 from cluster.auth import cluster_secret
 from cluster.config import AuthConfig, ModelConfig, SchedulerConfig, TelemetryConfig
 from cluster.engine.changes import Changes
 from cluster.engine.kv_events import KVJournal
-from cluster.grpc_server import Server, start_server, watch_loads
+from cluster.grpc_server import watch_loads
 from cluster.kv.collective import CollectiveGroups
 from cluster.model.causal_lm import CausalLM
 from cluster.model.gguf import model_folder
@@ -58,6 +63,7 @@ class WorkerEngine(Protocol):
 
 
 E = TypeVar("E", bound=WorkerEngine)
+T = TypeVar("T")
 
 
 class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
@@ -78,7 +84,9 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
         self.telemetry = telemetry or Telemetry(TelemetryConfig(), f"tandem-{worker_id}")
         self.auth = auth or AuthConfig()  # the cluster secret and mutual TLS, when configured
         self.watchdog = Watchdog(self._busy, self._on_wedge, wedged_after_s)
-        self.server: Server | None = None
+        self.server: AioServer | None = None
+        self.front: LoopThread | None = None  # the event loop the server's streams run on, once started
+        self.executor: ThreadPoolExecutor | None = None  # the server's calls that wait on the engine
         # What the host does when this worker cannot go on (a decode worker whose engine core died):
         # nothing here; a Ray actor exits its process, so Ray starts it again.
         self.on_fatal: Callable[[], None] = lambda: None
@@ -90,18 +98,19 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self, address: str = "127.0.0.1:0") -> str:
-        def add(server: grpc.Server) -> list[str]:
+        def add(server: grpc.aio.Server) -> list[str]:
             worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
             return ["tandem.v1.Worker", *self._add_services(server)]
 
         config = self.engine.scheduler_config
-        # A Submit holds its thread for the request's life: room for every sequence the worker may
-        # hold, plus transfers, loads and health checks, which must never queue behind them.
-        threads = config.max_num_seqs + config.max_waiting + 64
-        self.server = start_server(
-            add, address, extra_options=self.server_options, interceptors=[cluster_secret(self.auth)],
-            credentials=server_credentials(self.auth, internal=True), max_workers=threads,
-        )  # fmt: skip
+        # Calls that wait on the engine (Abort, Drain, a KV push, a Submit's start) hold a thread
+        # each while they wait: room for every sequence the worker may hold, and more for loads.
+        self.executor = ThreadPoolExecutor(config.max_num_seqs + config.max_waiting + 64, f"{self.worker_id}-call")
+        secret, credentials = cluster_secret(self.auth), server_credentials(self.auth, internal=True)
+        self.front = LoopThread(f"{self.worker_id}-front")
+        self.server = self.front.run(
+            start_aio_server(add, address, secret, credentials, self.server_options, self.executor)
+        )
         self.telemetry.metrics.serve(0, address.rsplit(":", 1)[0])
         self._on_start()
         self._loop.start()
@@ -113,12 +122,22 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
         self.engine.changes.bump()  # wakes the engine loop and every Watch
         self.watchdog.stop()
         self._before_server_stop()
-        if self.server is not None:
-            self.server.stop(None)
+        front, server, self.front = self.front, self.server, None  # a second stop finds nothing to stop
+        if front is not None:
+            if server is not None:
+                front.run(server.stop(None))
+            front.stop()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
         self._after_server_stop()
         if self.groups is not None:
             self.groups.close()
         self.telemetry.shutdown()
+
+    def in_front(self, call: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """`call(*args)` on the server's threads, awaited from the front's loop: what a stream calls
+        that may wait on the engine."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, call, *args)
 
     # -- the Worker RPCs both roles answer alike ---------------------------------------------------
 
@@ -128,16 +147,16 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerLoad:
         return self.load()
 
-    def Watch(
-        self, request: worker_pb2.WatchRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.WorkerUpdate]:
-        yield from watch_loads(self.load, request, context, self._stop, self.engine.changes, self.engine.kv_journal)
+    async def Watch(
+        self, request: worker_pb2.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerUpdate]:
+        async for update in watch_loads(self.load, request, self._stop, self.engine.changes, self.engine.kv_journal):
+            yield update
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True
         self.engine.changes.bump()  # the load says so
-        if self.server is not None:
-            self.server.set_serving(False)
+        self._set_serving(False)
         return worker_pb2.DrainResult(remaining_seqs=self.remaining())
 
     # -- what each role writes ---------------------------------------------------------------------
@@ -162,7 +181,7 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     def _run(self) -> None:
         """The engine loop, until `_stop` is set; calls `watchdog.progress()` on each turn."""
 
-    def _add_services(self, server: grpc.Server) -> list[str]:
+    def _add_services(self, server: grpc.aio.Server) -> list[str]:
         """Registers the role's services beside `tandem.v1.Worker`; returns their full names."""
         return []
 
@@ -181,14 +200,17 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
         """The engine core process is gone (its requests have failed): this worker serves nothing more."""
         self._draining = True
         self.engine.changes.bump()  # the load says so
-        if self.server is not None:
-            self.server.set_serving(False)
+        self._set_serving(False)
         self.on_fatal()
 
     def _on_wedge(self, wedged: bool) -> None:
         self.engine.changes.bump()  # the load says so
-        if self.server is not None:
-            self.server.set_serving(not wedged and not self._draining)
+        self._set_serving(not wedged and not self._draining)
+
+    def _set_serving(self, serving: bool) -> None:
+        """Health's answer from now on (from any thread, without waiting for it)."""
+        if self.front is not None and self.server is not None:
+            self.front.soon(self.server.set_serving(serving))
 
 
 def load_model_and_tokenizer(m: ModelConfig) -> tuple[CausalLM, Tokenizer]:

@@ -11,21 +11,22 @@ Lifecycle of a request here:
     the stream ends                on finish; a cancelled or expired call aborts the request and
                                    frees its blocks at once
     Steps                          a router's one stream for all its requests here: its submits and
-                                   cancels go up (read on a thread of their own), one frame per step
-                                   comes down (`decode_worker.steps.Link`); a request there lives as a
-                                   Submit's does, and the stream's end aborts every one still on it
-    Watch                          each router's stream of this worker's load (`watch_loads`), on a
-                                   thread of its own for the call's life
+                                   cancels go up, one frame per step comes down
+                                   (`decode_worker.steps.Link`); a request there lives as a Submit's
+                                   does, and the stream's end aborts every one still on it
+    Watch                          each router's stream of this worker's load (`watch_loads`)
 
-The engine is stepped by one thread; Submit, Abort and the transfer intake reach it through its lock.
+Submit, Steps and Watch run on the front's event loop (`grpc.aio`): no thread per stream. The frame
+reader (the engine loop thread) hands each step's outputs over to them; what waits on the engine (an
+abort, a Submit's start, a KV push) runs on the server's threads.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -41,7 +42,7 @@ from cluster.worker_shell import WorkerShell
 from decode_worker.core import ProcessCore, ThreadCore
 from decode_worker.engine_loop import Frame, build_engine
 from decode_worker.kv_intake import KVIntake
-from decode_worker.steps import Link, caught_up, speculation_stats, tokens_message
+from decode_worker.steps import EngineFailed, Link, Outputs, speculation_stats, tokens_message
 from decode_worker.text import RequestOutput
 
 Core = ThreadCore | ProcessCore
@@ -77,14 +78,14 @@ class DecodeWorker(WorkerShell[Core]):
         self.intake = intake
         if isinstance(engine, ProcessCore):
             engine.on_exit = self._core_died
-        self._streams: dict[str, queue.Queue[RequestOutput | None]] = {}
+        self._streams: dict[str, Outputs] = {}
         self._links: dict[str, OnLink] = {}  # requests placed through a router's step stream
         self._early: dict[str, list[RequestOutput]] = {}  # outputs of transfers admitted before their Submit
         self._abandoned: set[str] = set()  # remote-prefill requests whose caller left before the KV arrived
 
     # -- lifecycle: the shell's, with the KV transfer service and its intake -----------------------
 
-    def _add_services(self, server: grpc.Server) -> list[str]:
+    def _add_services(self, server: grpc.aio.Server) -> list[str]:
         server.add_generic_rpc_handlers((handlers(KVTransferService(self.intake, self.groups)),))
         return ["tandem.v1.KVTransfer"]
 
@@ -99,78 +100,74 @@ class DecodeWorker(WorkerShell[Core]):
 
     # -- the Worker service ------------------------------------------------------------------------
 
-    def Submit(
-        self, request: worker_pb2.WorkerRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.WorkerTokens]:
+    async def Submit(
+        self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
         submitted = time.time()
         parent = extract(context.invocation_metadata())
         rid = request.request_id
         waiting = self.engine.occupancy.waiting + self.intake.in_flight
         max_waiting = self.engine.scheduler_config.max_waiting
-        params = admit_submit(context, self.worker_id, self._draining, request.sampling, waiting, max_waiting)
-        stream: queue.Queue[RequestOutput | None] = queue.Queue()
+        params = await admit_submit(context, self.worker_id, self._draining, request.sampling, waiting, max_waiting)
+        stream = Outputs()
         with self._lock:
-            if rid in self._streams:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already streaming here")
-            self._streams[rid] = stream
-            for out in self._early.pop(rid, []):
-                stream.put(out)
+            taken = rid in self._streams
+            if not taken:
+                self._streams[rid] = stream
+                for out in self._early.pop(rid, []):
+                    stream.put(out)
+        if taken:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already streaming here")
         finished = False
         try:
-            if not context.is_active():
-                return  # cancelled or past its deadline before it started
             if not request.remote_prefill:
+                prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
                 try:
-                    output = list(request.output_token_ids)
-                    self.engine.add_request(rid, list(request.prompt_token_ids), params, output)
+                    await self.in_front(self.engine.add_request, rid, prompt, params, output)
                 except ValueError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             first_at, tokens = None, 0
-            while context.is_active():
+            while not finished:
                 try:
-                    out = stream.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if out is None:  # the engine failed
-                    context.abort(grpc.StatusCode.INTERNAL, ENGINE_FAILED)
-                out = caught_up(out, stream)
+                    out = await stream.next()
+                except EngineFailed:
+                    await context.abort(grpc.StatusCode.INTERNAL, ENGINE_FAILED)
                 first_at = first_at or time.time()
                 tokens += len(out.token_ids)
                 finished = out.finished
                 yield tokens_message(out)
-                if finished:
-                    self._observe(parent, rid, request.remote_prefill, submitted, first_at, out)
-                    return
+            self._observe(parent, rid, request.remote_prefill, submitted, first_at, out)
         finally:  # however the call ends: a finished request is forgotten, anything else aborted
             if finished:
                 self._forget(rid)
             else:
-                self._cancel(rid, awaiting_kv=request.remote_prefill)
+                self._cancel_soon(rid, request.remote_prefill)
 
-    def Steps(
-        self, commands: Iterator[worker_pb2.StepCommand], context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.StepFrame]:
+    async def Steps(
+        self, commands: AsyncIterator[worker_pb2.StepCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepFrame]:
         link = Link()
-        reader = threading.Thread(target=self._read_commands, args=(commands, link), daemon=True)
-        reader.start()
+        reader = asyncio.create_task(self._read_commands(commands, link))
         try:
-            yield from link.frames(context.is_active)
+            async for frame in link.frames():
+                yield frame
             if link.failed is not None:
-                context.abort(*link.failed)
+                await context.abort(*link.failed)
         finally:  # the router is gone (or this worker stops): nothing of its requests is wanted here
+            reader.cancel()
             link.close()
             with self._lock:
                 left = [rid for rid, placed in self._links.items() if placed.link is link]
             for rid in left:
-                self._cancel(rid)
+                self._cancel_soon(rid)
 
-    def _read_commands(self, commands: Iterator[worker_pb2.StepCommand], link: Link) -> None:
+    async def _read_commands(self, commands: AsyncIterator[worker_pb2.StepCommand], link: Link) -> None:
         try:
-            for command in commands:
+            async for command in commands:
                 if command.HasField("submit"):
                     self._submit_on(link, command.submit, command.trace)
                 elif command.cancel:
-                    self._cancel(command.cancel)
+                    self._cancel_soon(command.cancel)
                 else:
                     link.close((grpc.StatusCode.INVALID_ARGUMENT, "a step command names neither a submit nor a cancel"))
                     return
@@ -280,6 +277,12 @@ class DecodeWorker(WorkerShell[Core]):
                 self._abandoned.add(rid)  # if its transfer lands later, drop it then
         return found
 
+    def _cancel_soon(self, rid: str, awaiting_kv: bool = True) -> None:
+        """`_cancel` on the server's threads: the front's event loop never waits on the engine."""
+        if self.executor is not None:
+            with contextlib.suppress(RuntimeError):  # the worker is stopping, and its engine with it
+                self.executor.submit(self._cancel, rid, awaiting_kv)
+
     def _forget(self, rid: str) -> None:
         with self._lock:
             self._streams.pop(rid, None)
@@ -298,7 +301,7 @@ class DecodeWorker(WorkerShell[Core]):
                 streams = list(self._streams.values())
                 placed = list(self._links.items())
             for stream in streams:
-                stream.put(None)
+                stream.fail()
             for rid, on_link in placed:
                 on_link.link.end(rid, grpc.StatusCode.INTERNAL, ENGINE_FAILED)
                 self._forget(rid)

@@ -2,13 +2,14 @@
 stream (`Worker.Steps`), which carries every request that router placed here in one frame per step.
 
     tokens_message   an output as its `WorkerTokens` (Submit's message, and a frame's entry)
-    caught_up        a Submit stream's outputs waiting for it, as one output
-    Link             one router's step stream: the outputs of its requests as the engine loop hands
-                     them over, sent as frames by the call's own thread
+    Outputs          a Submit stream's outputs, handed over by the frame reader, read on the front's
+                     event loop; what waits when the stream is read is sent as one output
+    Link             one router's step stream: the outputs of its requests as the frame reader hands
+                     them over, sent as frames from the front's event loop
 
 Lifecycle of a link:
 
-    open      the router calls Steps: the worker reads its commands on a thread of their own
+    open      the router calls Steps: the worker reads its commands on its event loop
     submit    the worker checks the request as Submit does and queues it on the engine (or waits for
               its KV); a refusal goes out as a `RequestEnded` in the next frame
     put       the worker's frame router hands the link every output of its requests in one step; the
@@ -20,9 +21,9 @@ Lifecycle of a link:
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 from tandem.v1 import api_pb2, worker_pb2
@@ -69,62 +70,100 @@ def speculation_stats(out: RequestOutput) -> api_pb2.SpeculationStats:
     )
 
 
-def caught_up(out: RequestOutput, stream: queue.Queue[RequestOutput | None]) -> RequestOutput:
-    """`out` and every output queued behind it, as one: a stream that lags behind the engine sends
-    one message for what it owes, never a backlog of one message per step. An engine failure queued
-    among them stays queued, for the next read."""
-    outputs = [out]
-    while not outputs[-1].finished:
-        try:
-            following = stream.get_nowait()
-        except queue.Empty:
-            break
-        if following is None:
-            stream.put(None)
-            break
-        outputs.append(following)
-    return merged(outputs)
+class Outputs:
+    """A Submit stream's outputs: `put` and `fail` from any thread, `next` on the event loop that
+    made it. A stream that lags behind the engine gets what it owes as one output, never a backlog
+    of one message per step."""
+
+    def __init__(self) -> None:
+        self._wake = Wake()
+        self._pending: list[RequestOutput] = []
+        self._failed = False
+
+    def put(self, out: RequestOutput) -> None:
+        with self._wake.lock:
+            self._pending.append(out)
+            self._wake.notify()
+
+    def fail(self) -> None:
+        """The engine failed: the stream's next read raises `EngineFailed` after what was pending."""
+        with self._wake.lock:
+            self._failed = True
+            self._wake.notify()
+
+    async def next(self) -> RequestOutput:
+        while True:
+            with self._wake.lock:
+                pending, self._pending = self._pending, []
+                if not pending and self._failed:
+                    raise EngineFailed
+            if pending:
+                return merged(pending)
+            await self._wake.wait()
+
+
+class EngineFailed(Exception):
+    """The engine's step failed: every request on it ends (the router moves them)."""
+
+
+class Wake:
+    """A wake-up for one coroutine from any thread: `notify` (under `lock`) sets it at most once until
+    the coroutine's `wait` takes it, so a burst of hand-overs costs the loop one call."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+        self._set = False
+
+    def notify(self) -> None:
+        if not self._set:
+            self._set = True
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        with self.lock:
+            self._event.clear()
+            self._set = False
 
 
 class Link:
-    """One router's step stream. `put` and `end` come from the worker's threads; `frames` runs on the
-    call's thread and is the only reader."""
+    """One router's step stream. `put`, `end` and `close` come from any thread; `frames` runs on the
+    front's event loop (which made the link) and is the only reader."""
 
     def __init__(self) -> None:
-        self._ready = threading.Condition()
+        self._wake = Wake()
         self._outputs: dict[str, list[RequestOutput]] = {}  # per request, in arrival order
         self._ended: list[worker_pb2.RequestEnded] = []
         self._closed = False
         self.failed: tuple[grpc.StatusCode, str] | None = None  # why the router's commands ended the stream
 
     def put(self, outputs: list[RequestOutput]) -> None:
-        with self._ready:
+        with self._wake.lock:
             for out in outputs:
                 self._outputs.setdefault(out.request_id, []).append(out)
-            self._ready.notify()
+            self._wake.notify()
 
     def end(self, request_id: str, code: grpc.StatusCode, details: str) -> None:
         """`request_id` ended here without finishing: the router hears it with this status, after any
         output it had. (ALREADY_EXISTS names a request that runs on: the id was taken.)"""
-        with self._ready:
+        with self._wake.lock:
             self._ended.append(worker_pb2.RequestEnded(request_id=request_id, code=code.value[0], details=details))
-            self._ready.notify()
+            self._wake.notify()
 
     def close(self, failed: tuple[grpc.StatusCode, str] | None = None) -> None:
         """No more frames after what is pending; with `failed`, the call then ends with that status."""
-        with self._ready:
+        with self._wake.lock:
             self.failed = self.failed or failed
             self._closed = True
-            self._ready.notify()
+            self._wake.notify()
 
-    def frames(self, active: Callable[[], bool]) -> Iterator[worker_pb2.StepFrame]:
-        """One frame for whatever is pending each time the sender is free, until `close` (or until
-        `active` says the call is over)."""
+    async def frames(self) -> AsyncIterator[worker_pb2.StepFrame]:
+        """One frame for whatever is pending each time the sender is free, until `close`."""
         while True:
-            with self._ready:
-                while not (self._outputs or self._ended or self._closed):
-                    if not self._ready.wait(0.1) and not active():
-                        return
+            await self._wake.wait()
+            with self._wake.lock:
                 outputs, self._outputs = self._outputs, {}
                 ended, self._ended = self._ended, []
                 closed = self._closed

@@ -12,14 +12,17 @@ Lifecycle of a request here:
                             code; a cancelled call aborts the request and its transfer
     Watch                   each router's stream of this worker's load (`watch_loads`)
 
-The front reads the core's frames on a thread of its own: each first token goes to its Submit.
+Submit and Watch run on the front's event loop (`grpc.aio`); the front reads the core's frames on a
+thread of its own, and each first token goes to its Submit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
-from concurrent.futures import CancelledError, Future
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
 import grpc
 from tandem.v1 import api_pb2, worker_pb2
@@ -28,6 +31,7 @@ from cluster.config import AuthConfig, ClusterConfig, TransferConfig
 from cluster.engine.request import logprob_entries
 from cluster.grpc_server import admit_submit
 from cluster.kv.transport import TransferState
+from cluster.kv.wire import TransferError
 from cluster.telemetry import Telemetry, extract
 from cluster.worker_shell import WorkerShell
 from prefill_worker.core import Frame, ProcessCore, ThreadCore, build_engine, senders_for
@@ -57,59 +61,57 @@ class PrefillWorker(WorkerShell[Core]):
 
     # -- the Worker service ------------------------------------------------------------------------
 
-    def Submit(
-        self, request: worker_pb2.WorkerRequest, context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.WorkerTokens]:
+    async def Submit(
+        self, request: worker_pb2.WorkerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerTokens]:
         submitted = time.time()
         parent = extract(context.invocation_metadata())
         rid = request.request_id
         if not request.decode_target:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill request needs a decode_target")
-        params = admit_submit(
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill request needs a decode_target")
+        params = await admit_submit(
             context, self.worker_id, self._draining, request.sampling, self.engine.stats().waiting,
             self.engine.scheduler_config.max_waiting,
         )  # fmt: skip
         waiter: Future[tuple[PrefillOutput, float, float]] = Future()
         with self._lock:
-            if rid in self._waiters:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already prefilling here")
-            self._waiters[rid] = waiter  # first: its first token may come before the call returns
-        try:
-            prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
-            self.engine.add_request(
-                rid, prompt, params, request.decode_target, request.capability, output, request.decode_cached_tokens
-            )
-        except ValueError as e:
-            with self._lock:
-                self._waiters.pop(rid, None)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            taken = rid in self._waiters
+            if not taken:
+                self._waiters[rid] = waiter  # first: its first token may come before the call returns
+        if taken:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already prefilling here")
         done = False
-        context.add_callback(lambda: None if done else self._cancel(rid))
         try:
-            out, step_start, step_end = waiter.result()
-        except CancelledError:
-            return  # the caller left; `_cancel` already aborted the request
-        except Exception as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}")
-        logprobs = []
-        if out.logprob is not None:
-            top = [api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in out.top_logprobs]
-            logprobs = [api_pb2.TokenLogprob(token_id=out.first_token, logprob=out.logprob, top=top)]
-        yield worker_pb2.WorkerTokens(  # at once: the router may stream it before the KV has landed
-            request_id=rid,
-            token_ids=[out.first_token],
-            logprobs=logprobs,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=logprob_entries(out.prompt_logprobs),
-        )
-        state = out.transfer.wait(self.transfer.timeout_s + self.transfer.lease_s)
-        self._observe(parent, out, submitted, step_start, step_end, time.time())
-        if state is not TransferState.DONE:
-            error = out.transfer.error
-            code, message = (error.code, error.message) if error else (grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
-            context.abort(code, f"KV transfer to {request.decode_target}: {message}")
-        done = True
+            try:
+                prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
+                await self.in_front(
+                    self.engine.add_request, rid, prompt, params, request.decode_target, request.capability,
+                    output, request.decode_cached_tokens,
+                )  # fmt: skip
+            except ValueError as e:
+                done = True  # nothing of it is on the engine
+                with self._lock:
+                    self._waiters.pop(rid, None)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                out, step_start, step_end = await asyncio.wrap_future(waiter)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    raise  # the caller left
+                return  # aborted here (`Abort`): `_cancel` already aborted the request
+            except Exception as e:
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}")
+            yield first_tokens(rid, out)  # at once: the router may stream it before the KV has landed
+            state = await self.in_front(out.transfer.wait, self.transfer.timeout_s + self.transfer.lease_s)
+            done = True
+            self._observe(parent, out, submitted, step_start, step_end, time.time())
+            if state is not TransferState.DONE:
+                error = out.transfer.error or TransferError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+                await context.abort(error.code, f"KV transfer to {request.decode_target}: {error.message}")
+        finally:
+            if not done:  # the caller left: the request and its transfer go
+                with contextlib.suppress(RuntimeError):  # the worker is stopping, and its engine with it
+                    self.executor.submit(self._cancel, rid)  # type: ignore[union-attr]
 
     def remaining(self) -> int:
         stats = self.engine.stats()
@@ -188,6 +190,22 @@ class PrefillWorker(WorkerShell[Core]):
         for waiter in failed:
             if not waiter.done():
                 waiter.set_exception(RuntimeError(frame.failed))
+
+
+def first_tokens(rid: str, out: PrefillOutput) -> worker_pb2.WorkerTokens:
+    """A prefill's one message: its first token (with its logprobs, and the prompt's, when asked)."""
+    logprobs = []
+    if out.logprob is not None:
+        top = [api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in out.top_logprobs]
+        logprobs = [api_pb2.TokenLogprob(token_id=out.first_token, logprob=out.logprob, top=top)]
+    return worker_pb2.WorkerTokens(
+        request_id=rid,
+        token_ids=[out.first_token],
+        logprobs=logprobs,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=logprob_entries(out.prompt_logprobs),
+    )
 
 
 def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:

@@ -6,9 +6,9 @@ other streams. The demo model, real gRPC, no Ray."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
-import queue
 import signal
 import threading
 import time
@@ -251,27 +251,30 @@ def test_a_client_that_reads_nothing_holds_up_neither_the_engine_nor_the_other_s
 
 
 def test_a_stream_that_lags_sends_what_it_owes_in_one_message():
-    from decode_worker.steps import caught_up, tokens_message
+    from decode_worker.steps import EngineFailed, Outputs, tokens_message
 
-    lp = (-0.5, [(1, -0.5)])
-    queued = queue.Queue()
-    for n in range(1, 4):
-        queued.put(RequestOutput("r", [10 + n], text=f"t{n}", logprobs=[lp], num_output_tokens=n))
-    queued.put(
-        RequestOutput("r", [14], text="!", logprobs=[lp], finished=True, finish_reason="stop", num_output_tokens=4)
-    )
-    queued.put(None)  # the engine failed after the request's end: left for the next read
-    first = queued.get()
-    message = tokens_message(caught_up(first, queued))
-    assert list(message.token_ids) == [11, 12, 13, 14] and message.text == "t1t2t3!"
-    assert len(message.logprobs) == 4 and message.finish_reason == api_pb2.FINISH_REASON_STOP
-    assert queued.get_nowait() is None and queued.empty()
+    async def lagging() -> None:
+        lp = (-0.5, [(1, -0.5)])
+        outputs = Outputs()
+        for n in range(1, 4):  # handed over from the frame reader's thread while the stream is busy
+            out = RequestOutput("r", [10 + n], text=f"t{n}", logprobs=[lp], num_output_tokens=n)
+            await asyncio.to_thread(outputs.put, out)
+        last = RequestOutput("r", [14], "!", logprobs=[lp], finished=True, finish_reason="stop", num_output_tokens=4)
+        await asyncio.to_thread(outputs.put, last)
+        message = tokens_message(await outputs.next())
+        assert list(message.token_ids) == [11, 12, 13, 14] and message.text == "t1t2t3!"
+        assert len(message.logprobs) == 4 and message.finish_reason == api_pb2.FINISH_REASON_STOP
 
-    queued.put(RequestOutput("r", [12], text="b"))
-    queued.put(None)  # the engine failed mid-request: what came before goes out, the failure stays queued
-    message = tokens_message(caught_up(RequestOutput("r", [11], text="a"), queued))
-    assert list(message.token_ids) == [11, 12] and message.text == "ab" and not message.finish_reason
-    assert queued.get_nowait() is None
+        outputs = Outputs()
+        outputs.put(RequestOutput("r", [11], text="a"))
+        outputs.put(RequestOutput("r", [12], text="b"))
+        outputs.fail()  # the engine failed mid-request: what came before goes out, then the failure
+        message = tokens_message(await outputs.next())
+        assert list(message.token_ids) == [11, 12] and message.text == "ab" and not message.finish_reason
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(outputs.next(), 5)
+
+    asyncio.run(lagging())
 
 
 def test_the_frame_reader_never_waits_on_the_command_pipe(core):

@@ -8,6 +8,8 @@ itself from the load a watcher reports)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -31,19 +33,45 @@ class Occupancy:
 
 
 class Changes:
-    """A change counter: `bump` after a change, `wait(seen)` until the count differs from `seen`."""
+    """A change counter: `bump` after a change, `wait(seen)` (or, on an event loop, `changed(seen)`)
+    until the count differs from `seen`."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.version = 0
 
     def bump(self) -> None:
         with self._cond:
             self.version += 1
             self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, waiter in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop has closed
+                loop.call_soon_threadsafe(_wake, waiter)
+
+    async def changed(self, seen: int, timeout: float) -> int:
+        """`wait` for a coroutine: the loop runs on while it waits, and no thread is held."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self.version != seen:
+                return self.version
+            self._waiters.append((loop, waiter))
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            with self._cond, contextlib.suppress(ValueError):
+                self._waiters.remove((loop, waiter))
+        return self.version
 
     def wait(self, seen: int, timeout: float) -> int:
         """The count once it differs from `seen`, or after `timeout` seconds, whichever is first."""
         with self._cond:
             self._cond.wait_for(lambda: self.version != seen, timeout)
             return self.version
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

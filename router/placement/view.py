@@ -27,35 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
+from cluster.aio_server import LoopThread
 from cluster.grpc_server import message_options
 from router.placement.discovery import WorkerDiscovery
 from router.placement.index import LoadIndex
 from router.placement.prefix_index import PrefixIndex
-
-
-class LoopThread:
-    """An asyncio event loop running on a thread of its own, for callers that are not async."""
-
-    def __init__(self, name: str = "router-loop") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
-        self._thread.start()
-
-    def run(self, coroutine: Coroutine, timeout_s: float | None = 30.0):  # type: ignore[no-untyped-def,type-arg]
-        """Runs `coroutine` on the loop and waits for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
 
 
 @dataclass

@@ -38,6 +38,7 @@ import grpc
 from opentelemetry import trace
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
+from cluster.aio_server import AioServer, LoopThread, start_aio_server
 from cluster.auth import RequireKey, client_keys, secret_metadata
 from cluster.config import ClusterConfig
 from cluster.engine.structured import for_tokenizer
@@ -50,8 +51,7 @@ from cluster.telemetry import Telemetry, extract
 from cluster.tls import channel_credentials, server_credentials
 from router.placement.discovery import WorkerDiscovery
 from router.placement.prefix_index import PrefixIndex
-from router.placement.view import LoopThread, WorkerView
-from router.service.aio_server import AioServer, start_aio_server
+from router.placement.view import WorkerView
 from router.service.dispatch import Abort, Dispatcher
 from router.service.fleet import Fleet, RouterRegistry, advertised, router_name, totals
 from router.service.settings import PoolAdmin, RouterSettings, settings_from_config

@@ -1,10 +1,19 @@
-"""The router's gRPC server on `grpc.aio`: one event loop serves every stream (no thread each), with
-the same message limits, `grpc.health.v1` health, reflection, API-key check and TLS as the
-threaded servers of `cluster.grpc_server`."""
+"""Tandem's gRPC servers on `grpc.aio` (the router's and both workers'): one event loop serves every
+stream (no thread each), with the same message limits, `grpc.health.v1` health, reflection, key
+check and TLS as the threaded servers of `cluster.grpc_server`; and `LoopThread`, the event loop a
+caller that is not async runs them on.
+
+A handler that is a coroutine or an async generator runs on the loop; a plain function runs on the
+server's `executor` (a worker's calls that wait on its engine: Abort, Drain, a KV push). A plain
+*streaming* handler would never hear that its call was cancelled, so every long stream is async.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -40,11 +49,13 @@ async def start_aio_server(
     key_check: RequireKey | None = None,
     credentials: grpc.ServerCredentials | None = None,
     options: Sequence[tuple[str, int]] = (),
+    executor: Executor | None = None,
 ) -> AioServer:
     """Starts a server on the running loop; `add_services(server)` registers the services and
-    returns their full names. `key_check` refuses calls without a valid key (health stays open)."""
+    returns their full names. `key_check` refuses calls without a valid key (health stays open);
+    `executor` runs the handlers that are plain functions."""
     interceptors = [] if key_check is None else [RequireKeyAio(key_check)]
-    server = grpc.aio.server(options=[*message_options(), *options], interceptors=interceptors)
+    server = grpc.aio.server(executor, options=[*message_options(), *options], interceptors=interceptors)
     names = list(add_services(server))
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
@@ -72,3 +83,25 @@ class RequireKeyAio(grpc.aio.ServerInterceptor):
         if self.key.check(handler_call_details.invocation_metadata or ()):
             return handler
         return refusing(handler, self.key.message, aio=True)
+
+
+class LoopThread:
+    """An asyncio event loop running on a thread of its own, for callers that are not async."""
+
+    def __init__(self, name: str = "router-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine, timeout_s: float | None = 30.0):  # type: ignore[no-untyped-def,type-arg]
+        """Runs `coroutine` on the loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def soon(self, coroutine: Coroutine) -> None:  # type: ignore[type-arg]
+        """Starts `coroutine` on the loop without waiting for it (callable from the loop itself)."""
+        asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
