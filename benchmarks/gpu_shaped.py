@@ -26,7 +26,7 @@ received against the ideal (batch / step time), and each process's CPU per engin
 core (all outside the model, which costs nothing here), the worker's front, the routers, the
 clients. Goals (the serving-path issue): ≥ 0.95 of the ideal steps/s at batch 256; the core ≤ 1 ms
 and the front ≤ 5 ms of CPU per step. The row also says how many cores were busy. Prints a table,
-writes `benchmarks/results/gpu_shaped.{json,png}`.
+writes `benchmarks/results/gpu_shaped.{json,png}` (`gpu_shaped_avx2.*` on a CPU without AVX-512).
 """
 
 from __future__ import annotations
@@ -314,9 +314,10 @@ def main() -> None:
            "tokens": args.tokens, "pinned": {"engine core": cpus[:1], "the rest": cpus[1:]} if pinned else None,
            "rows": rows}  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gpu_shaped.json").write_text(json.dumps(out, indent=2))
-    plot(out, RESULTS / "gpu_shaped.png")
-    print(f"\n{out['cpu']}, {out['cores']} cores; wrote {RESULTS / 'gpu_shaped.json'} and .png")
+    stem = RESULTS / ("gpu_shaped" if "AVX-512" in out["cpu"] else "gpu_shaped_avx2")  # each kind of CPU its own
+    stem.with_suffix(".json").write_text(json.dumps(out, indent=2))
+    plot(out, stem.with_suffix(".png"))
+    print(f"\n{out['cpu']}, {out['cores']} cores; wrote {stem}.json and .png")
 
 
 def print_row(row: dict) -> None:

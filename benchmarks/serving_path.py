@@ -12,7 +12,7 @@ the router (this process) and the client (`tandem bench`'s, a process of its own
 TPOT overhead at concurrency 1 ≤ 0.5 ms over the engine alone; tokens/s ≥ 0.85 of the engine alone
 at 32 and ≥ 0.8 at 128 (the engine alone on one thread, as the decode worker's engine core has one
 CPU). Every process shares this machine's cores. Prints a table, writes
-`benchmarks/results/serving_path.{json,png}`.
+`benchmarks/results/serving_path.{json,png}` (`serving_path_avx2.*` on a CPU without AVX-512).
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def main() -> None:
     results["goals"] = goals(results)
     report(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    name += "" if "AVX-512" in results["cpu"] else "_avx2"  # each kind of CPU its own
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
     plot(results, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / name}.json and .png")
