@@ -32,6 +32,21 @@ inline void prefetch_first(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(first + b, 0, 3);
 }
 
+// Steps over [0, end) a `width` at a time, `step(c, acc)` adding the vector at c into one of two
+// accumulator sets, alternately: with one set, each multiply-add would wait for the one before it
+// (four cycles), and a row of one input would be bound by that latency, not by reading the weights.
+// A vector left over goes to `first`. `ahead(c)` comes once per pair of vectors: prefetch hints.
+template <typename Acc, typename Ahead, typename Step>
+TANDEM_INLINE inline void alternate(int64_t end, int64_t width, Acc* first, Acc* second, Ahead&& ahead, Step&& step) {
+  int64_t c = 0;
+  for (; c + 2 * width <= end; c += 2 * width) {
+    ahead(c);
+    step(c, first);
+    step(c + width, second);
+  }
+  if (c < end) step(c, first);
+}
+
 // Over weight rows [n0, n1): a tile of weight rows at a time, every group of up to eight input
 // rows against it, so the tile comes from memory once and from cache for the other groups.
 // `group(rows, first_row, t0, t1)` computes one group (rows as a compile-time constant).

@@ -5,9 +5,7 @@
 // Here each thread streams its own contiguous range of weight rows once, converts them to float32 in
 // registers, and accumulates every input row against them, so a step with eight rows (a batch of
 // eight, or one sequence verifying seven draft tokens) reads the weights as often as a step with one.
-// Each row's sums alternate between two accumulators, vector by vector: with one, every fused
-// multiply-add would wait for the one before it (four cycles), and a row of one input would be
-// bound by that latency, not by reading the weights.
+// Each row's sums alternate between two accumulators, vector by vector (`skinny.h`'s `alternate`).
 //
 // Products over int8 and int4 weights are in `quantized_linear.cpp`.
 //
@@ -48,14 +46,11 @@ void product(const float* x, const W* w, int64_t k, int64_t n0, int64_t n1, Y* y
         const vfloat wv = vload(row + c);
         for (int m = 0; m < Rows; ++m) acc[m] = vfmadd(vload(x + m * k + c), wv, acc[m]);
       };
-      int64_t c = 0;
-      for (; c + 2 * kLanes <= k; c += 2 * kLanes) {
+      const auto ahead = [&](int64_t c) TANDEM_INLINE {
         if ((c * sizeof(W)) % 64 == 0) prefetch_ahead(row + c);  // one hint per 64-byte line
         if ((kLanes * sizeof(W)) % 64 == 0) prefetch_ahead(row + c + kLanes);
-        lanes(c, even);
-        lanes(c + kLanes, odd);
-      }
-      if (c < k) lanes(c, even);
+      };
+      alternate(k, kLanes, even, odd, ahead, lanes);
       for (int m = 0; m < Rows; ++m) y[m * ldy + n] = static_cast<Y>(vsum(vadd(even[m], odd[m])));
     }
     return;
