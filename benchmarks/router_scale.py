@@ -30,7 +30,8 @@
 Every process shares this machine's cores (the fleet, each router and this load generator): on a
 2-core box the load generator and the fleet take CPU the router would otherwise have, so rates are
 floors for the router, and the breakdown says which process was busy. Prints a table and writes
-`benchmarks/results/router_scale.{json,png}`.
+`benchmarks/results/router_scale.{json,png}` (`--taskset`: `router_scale_taskset.*`, `_avx2.*` on a CPU
+without AVX-512).
 """
 
 from __future__ import annotations
@@ -130,9 +131,13 @@ def taskset_only(step_s: float) -> None:
         print(f"  {line}")
     print(f"  goal: 1,000 req/s with p99 overhead <= 2 ms: {value} {'met' if met else 'MISSED'}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "router_scale_taskset.json").write_text(json.dumps(results, indent=2))
-    plot_rates(results, OUT / "router_scale_taskset.png")
-    print(f"\nwrote {OUT / 'router_scale_taskset.json'} and {OUT / 'router_scale_taskset.png'}")
+    from cluster.cpu import cpu_kind
+
+    results["cpu"] = cpu_kind()
+    stem = OUT / ("router_scale_taskset" if "AVX-512" in results["cpu"] else "router_scale_taskset_avx2")
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot_rates(results, stem.with_suffix(".png"))
+    print(f"\n{results['cpu']}; wrote {stem}.json and .png")
 
 
 def cluster_only(num_prompts: int) -> None:
