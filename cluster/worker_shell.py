@@ -24,6 +24,7 @@ Drain reports), `_cancel` (what Abort does), `_busy()` (the canary's "holds work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -206,6 +207,13 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     def _on_wedge(self, wedged: bool) -> None:
         self.engine.changes.bump()  # the load says so
         self._set_serving(not wedged and not self._draining)
+
+    def _cancel_soon(self, rid: str, *args: object) -> None:
+        """`_cancel(rid, *args)` on the server's threads, not waited for: the front's event loop never
+        waits on the engine. Nothing once the worker stops (its engine goes with it)."""
+        if self.executor is not None:
+            with contextlib.suppress(RuntimeError):  # the executor has shut down
+                self.executor.submit(self._cancel, rid, *args)
 
     def _set_serving(self, serving: bool) -> None:
         """Health's answer from now on (from any thread, without waiting for it)."""

@@ -24,7 +24,6 @@ abort, a Submit's start, a KV push) runs on the server's threads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -126,14 +125,13 @@ class DecodeWorker(WorkerShell[Core]):
                     await self.in_front(self.engine.add_request, rid, prompt, params, output)
                 except ValueError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            first_at, tokens = None, 0
+            first_at = None
             while not finished:
                 try:
                     out = await stream.next()
                 except EngineFailed:
                     await context.abort(grpc.StatusCode.INTERNAL, ENGINE_FAILED)
                 first_at = first_at or time.time()
-                tokens += len(out.token_ids)
                 finished = out.finished
                 yield tokens_message(out)
             self._observe(parent, rid, request.remote_prefill, submitted, first_at, out)
@@ -276,12 +274,6 @@ class DecodeWorker(WorkerShell[Core]):
             with self._lock:
                 self._abandoned.add(rid)  # if its transfer lands later, drop it then
         return found
-
-    def _cancel_soon(self, rid: str, awaiting_kv: bool = True) -> None:
-        """`_cancel` on the server's threads: the front's event loop never waits on the engine."""
-        if self.executor is not None:
-            with contextlib.suppress(RuntimeError):  # the worker is stopping, and its engine with it
-                self.executor.submit(self._cancel, rid, awaiting_kv)
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -19,7 +19,6 @@ thread of its own, and each first token goes to its Submit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -110,8 +109,7 @@ class PrefillWorker(WorkerShell[Core]):
                 await context.abort(error.code, f"KV transfer to {request.decode_target}: {error.message}")
         finally:
             if not done:  # the caller left: the request and its transfer go
-                with contextlib.suppress(RuntimeError):  # the worker is stopping, and its engine with it
-                    self.executor.submit(self._cancel, rid)  # type: ignore[union-attr]
+                self._cancel_soon(rid)
 
     def remaining(self) -> int:
         stats = self.engine.stats()
