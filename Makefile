@@ -35,9 +35,12 @@ run: $(STAMP) $(SMOLLM2)/config.json
 	@$(PY) -m compileall -q $(SOURCES)
 	$(VENV)/bin/tandem serve --config examples/smollm2.yaml --port 0 --chat --prompt '$(PROMPT)' --max-tokens 48
 
-# Best effort, never failing the run: Debian's prometheus for tests/test_prometheus.py and chromium for
-# tests/test_dashboard_browser.py (each skips, saying why, where its binary is absent).
+# Best effort, never failing the run: Debian's prometheus for tests/test_prometheus.py, chromium for
+# tests/test_dashboard_browser.py and redis-server for the shared KV tier's tests (each skips, saying
+# why, where its binary is absent).
 test: $(STAMP)
+	-command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get install -y --no-install-recommends redis-server >/dev/null 2>&1; } || true
 	-command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } || true
 	-command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \

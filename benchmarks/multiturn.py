@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "proto"))
 
-from cluster.engine.kv_events import block_hashes  # noqa: E402
+from cluster.engine.block_names import UNNAMED_MODEL, chain  # noqa: E402
 from cluster.model.gguf import model_folder  # noqa: E402
 from cluster.slo import percentile  # noqa: E402
 
@@ -220,15 +220,15 @@ def fake_cluster(mode: str, w: Workload, seed: int, decode: int, prefill: int) -
 
 def ideal_hit_rate(turns: list[Turn]) -> float:
     """One worker with an infinite cache: each prompt's longest prefix any earlier request computed."""
-    seen: set[int] = set()
+    seen: set[bytes] = set()
     cached = prompt = 0
     for x in sorted(turns, key=lambda x: x.sent):
-        for h in block_hashes(x.prompt[:-1], BLOCK):
+        for h in chain(x.prompt[:-1], BLOCK, UNNAMED_MODEL):
             if h not in seen:
                 break
             cached += BLOCK
         prompt += len(x.prompt)
-        seen.update(block_hashes([*x.prompt, *x.output[:-1]], BLOCK))
+        seen.update(chain([*x.prompt, *x.output[:-1]], BLOCK, UNNAMED_MODEL))
     return cached / max(1, prompt)
 
 
@@ -243,18 +243,18 @@ def index_at_scale(blocks: int, workers: int = 256) -> dict:
 
     rng = random.Random(0)
     index = PrefixIndex(max_blocks=blocks)
-    chain = block_hashes(list(range(64 * BLOCK)), BLOCK)
+    prompt = chain(list(range(64 * BLOCK)), BLOCK, UNNAMED_MODEL)
     before, start = rss(), time.perf_counter()
     per_worker = blocks // workers
     for n in range(workers):
-        batch = _Batch(True, [rng.getrandbits(63) for _ in range(per_worker - (64 if n < 4 else 0))])
+        batch = _Batch(True, [rng.randbytes(16) for _ in range(per_worker - (64 if n < 4 else 0))])
         index.apply(f"decode-{n}", batch)
     for n in range(4):  # four workers hold one 64-block prompt
-        index.apply(f"decode-{n}", _Batch(False, chain, first=2, last=2))
+        index.apply(f"decode-{n}", _Batch(False, prompt, first=2, last=2))
     fill_s, grown = time.perf_counter() - start, rss() - before
     start = time.perf_counter()
     for _ in range(1000):
-        matched = index.match(chain)
+        matched = index.match(prompt)
     lookup = (time.perf_counter() - start) / 1000
     assert matched == {f"decode-{n}": 64 for n in range(4)}
     return {"blocks": len(index), "rss_bytes": grown, "bytes_per_block": grown / len(index),
@@ -264,10 +264,11 @@ def index_at_scale(blocks: int, workers: int = 256) -> dict:
 @dataclass
 class _Batch:
     snapshot: bool
-    stored: list[int]
-    removed: list[int] = field(default_factory=list)
+    stored: list[bytes]
+    removed: list[bytes] = field(default_factory=list)
     first: int = 0
     last: int = 1
+    root: bytes = UNNAMED_MODEL
 
 
 # -- report -------------------------------------------------------------------------------------------

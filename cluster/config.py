@@ -86,6 +86,45 @@ class ModelConfig(_Part):
         return self.name or self.path.name
 
 
+class HostTierConfig(_Part):
+    gib: float = Field(gt=0, description="Host memory for KV blocks beyond the pool, in GiB.")
+
+
+class DiskTierConfig(_Part):
+    path: Path = Field(description="Directory of the disk tier's files; a restarted worker finds its blocks there.")
+    gib: float = Field(gt=0, description="Disk space for KV blocks, in GiB; the least recently used go first.")
+
+
+class SharedTierConfig(_Part):
+    url: str = Field(
+        pattern=r"^rediss?://",
+        description="The Redis every worker of the model reaches (redis://host:port/db; rediss:// for TLS). "
+        "Redis bounds it (its own maxmemory and LRU policy); the cluster secret is its password.",
+    )
+    timeout_s: float = Field(default=0.5, gt=0, description="A Redis call slower than this is a failure.")
+    ttl_s: float = Field(default=0, ge=0, description="Entries expire after this long; 0 keeps them until evicted.")
+
+
+class TiersConfig(_Part):
+    host: HostTierConfig | None = Field(default=None, description="Blocks in host memory; unset: no host tier.")
+    disk: DiskTierConfig | None = Field(default=None, description="Blocks in local files; unset: no disk tier.")
+    shared: SharedTierConfig | None = Field(
+        default=None, description="Blocks in a Redis shared by every worker of the model; unset: no shared tier."
+    )
+    write: Literal["evicted", "computed"] = Field(
+        default="evicted",
+        description="When a full block goes down the tiers: as the pool evicts it, or as soon as it is computed "
+        "(written through: another worker can load a prefix this one still holds).",
+    )
+    retry_after_s: float = Field(
+        default=5.0, gt=0, description="A tier whose store failed is off this long, then tried again."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return any((self.host, self.disk, self.shared))
+
+
 class CacheConfig(_Part):
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV-cache block.")
     memory_gib: float = Field(default=2.0, gt=0, description="Memory given to the KV cache on each worker, in GiB.")
@@ -106,6 +145,11 @@ class CacheConfig(_Part):
         description="KV cache element type: auto is the model's dtype; int8 stores each token's keys and values "
         "per head as int8 with a float32 scale (about half the bytes of bfloat16). Prefill and decode workers "
         "must agree.",
+    )
+    tiers: TiersConfig = Field(
+        default_factory=TiersConfig,
+        description="KV tiers under the pool: evicted blocks live on in host memory, on disk and in a shared "
+        "Redis, and a prompt that misses the pool loads its longest run from them.",
     )
 
 
@@ -297,6 +341,11 @@ class AuthConfig(_Part):
     tls_key: Path | None = Field(default=None, description="PEM private key for tls_cert.")
     tls_ca: Path | None = Field(default=None, description="CA bundle for mutual TLS on internal channels.")
 
+    @property
+    def secret(self) -> str:
+        """The cluster secret in clear; "" when unset."""
+        return "" if self.cluster_secret is None else self.cluster_secret.get_secret_value()
+
     @model_validator(mode="after")
     def _tls_pair(self) -> AuthConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -381,6 +430,15 @@ class ClusterConfig(_Part):
     ray_address: str | None = Field(
         default=None, description='Ray cluster to join ("auto", "ray://host:port"); unset starts a local one.'
     )
+
+    @model_validator(mode="after")
+    def _sealed_tiers_have_a_secret(self) -> ClusterConfig:
+        tiers = self.cache.tiers
+        if (tiers.disk or tiers.shared) and self.auth.cluster_secret is None:
+            raise ValueError(
+                "cache.tiers.disk and cache.tiers.shared seal their entries with auth.cluster_secret: set it"
+            )
+        return self
 
 
 def parse_config(data: Any, source: str = "config") -> ClusterConfig:

@@ -121,7 +121,12 @@ async def admit_submit(
 def kv_events_message(batch: KVBatch) -> worker_pb2.KVEvents:
     """A journal's batch as `WorkerUpdate.kv` carries it."""
     return worker_pb2.KVEvents(
-        first=batch.first, last=batch.last, stored=batch.stored, removed=batch.removed, snapshot=batch.snapshot
+        first=batch.first,
+        last=batch.last,
+        stored=batch.stored,
+        removed=batch.removed,
+        snapshot=batch.snapshot,
+        root=batch.root,
     )
 
 

@@ -34,16 +34,15 @@ import threading
 from collections.abc import Sequence
 
 from cluster.config import CacheConfig, SchedulerConfig
-from cluster.engine.block_manager import BlockManager
 from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.detokenizer import Decoder
-from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner, StepOutput, num_kv_blocks
 from cluster.engine.request import Request, SamplingParams, StepPlan
 from cluster.engine.sampler import Sampler, TokenLogprob
 from cluster.engine.speculative import Proposer, Speculator
 from cluster.engine.structured import Grammars
+from cluster.kv.tiering import PARKED_WAIT_S, Tiering, named_pool
 from cluster.model.causal_lm import CausalLM
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.scheduler import Scheduler
@@ -66,12 +65,12 @@ class Engine:
         grammars: Grammars | None = None,
         shared_kv: bool = False,  # the KV cache in shared memory, for a front in another process
         text: bool = True,  # False: outputs carry no text and stop strings are left to the caller
+        secret: str = "",  # the cluster's: it seals the KV tiers' entries
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
-        self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
-        blocks = BlockManager(
-            self.num_blocks, cache.block_size, cache.watermark, cache.enable_prefix_caching, self.kv_journal
-        )
+        pool = named_pool(model, model.arch, cache, self.num_blocks)
+        self.fingerprint, blocks = pool.fingerprint, pool.blocks
+        self.kv_journal = pool.journal  # what the prefix cache holds, for the routers' watch streams
         max_len = min(max_model_len or model.arch.max_position_embeddings, model.arch.max_position_embeddings)
         self.scheduler = Scheduler(scheduler, blocks, eos_token_ids, max_len)
         sampler = Sampler(model.arch.vocab_size, seed)
@@ -89,6 +88,7 @@ class Engine:
             grammars,
             shared_kv,
         )
+        self.tiering = Tiering.build(cache.tiers, secret, blocks, self.runner)  # None without KV tiers
         self.tokenizer = tokenizer
         self.max_num_seqs = scheduler.max_num_seqs
         self.text = TextStreams(tokenizer) if text else None
@@ -119,7 +119,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or bool(self._pending)
+        return self.scheduler.has_work or bool(self._pending) or bool(self.tiering and self.tiering.parked)
 
     @property
     def kv_cache(self):  # type: ignore[no-untyped-def]
@@ -145,9 +145,11 @@ class Engine:
             blocks = self.scheduler.blocks
             if len(self.scheduler.running) + len(self._reserved) >= self.max_num_seqs:
                 raise MemoryError(f"the running batch is full ({self.max_num_seqs} sequences)")
-            if not blocks.can_allocate(request.all_token_ids):
+            if not blocks.can_allocate(request.all_token_ids, salt=params.cache_salt):
                 raise MemoryError(f"{blocks.num_free_blocks} free KV blocks are not enough for {len(token_ids)} tokens")
-            cached = blocks.allocate(request_id, request.all_token_ids)
+            cached = blocks.allocate(request_id, request.all_token_ids, salt=params.cache_salt)
+            if self.tiering is not None:
+                self.tiering.move()  # the blocks it evicted go down before the transfer overwrites them
             self._reserved.add(request_id)
             self._changed()
             return list(blocks.block_table(request_id)), cached
@@ -202,7 +204,9 @@ class Engine:
             if params.num_beams > 1:
                 self.beams.add(request)
             else:
-                self.scheduler.add(request)
+                self.scheduler.check(request)
+                if self.tiering is None or not self.tiering.park(request):  # parked: its KV loads first
+                    self.scheduler.add(request)
             self._open_stream(request)
             self._changed()
 
@@ -226,21 +230,31 @@ class Engine:
                 self.text.close(request_id)
             self._pending = [out for out in self._pending if out.request_id != request_id]
             found = self.beams.abort(request_id) or self.scheduler.abort(request_id) is not None
+            found = found or (self.tiering is not None and self.tiering.abort(request_id) is not None)
             if self.speculator is not None:
                 self.speculator.retain(self.scheduler.requests)
             self._changed()
             return found
 
     def step(self) -> list[RequestOutput]:
+        tiering = self.tiering
         with self.lock:
             outputs, self._pending = self._pending, []
+            for request in tiering.ready() if tiering is not None else ():
+                self.scheduler.add(request)
             plan = self._schedule()
-            if plan.empty:
+            if not plan.empty:
+                if tiering is not None:
+                    tiering.move()  # evicted blocks out, loaded blocks in, before the pass
+                output = self.runner.run(plan)
+                outputs += self._update(plan, output)
+                if tiering is not None:
+                    tiering.move()  # blocks computed by the pass, when they are written through
+                self._changed()
                 return outputs
-            output = self.runner.run(plan)
-            outputs += self._update(plan, output)
-            self._changed()
-            return outputs
+        if tiering is not None and tiering.parked and not outputs:
+            tiering.wait(PARKED_WAIT_S)  # nothing to run until a load ends
+        return outputs
 
     def _changed(self) -> None:
         """Publishes the load as it is now and wakes whoever waits for a change (under the lock)."""

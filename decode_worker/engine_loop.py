@@ -88,6 +88,7 @@ def build_engine(config: ClusterConfig, shared: bool = False, text: bool = True)
         model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
         compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
         grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids), shared_kv=shared, text=text,
+        secret=config.auth.secret,
     )  # fmt: skip
     engine.warm_up()
     return engine
@@ -95,13 +96,10 @@ def build_engine(config: ClusterConfig, shared: bool = False, text: bool = True)
 
 def core_main(commands, events, config_json: str) -> None:  # type: ignore[no-untyped-def]
     try:
-        from cluster.kv.wire import model_fingerprint
-
         config = ClusterConfig.model_validate_json(config_json)
         engine = build_engine(config, shared=True, text=False)
-        model = engine.runner.model
-        fingerprint = model_fingerprint(model, model.arch)
-        info = CoreInfo(model.arch, config.cache.block_size, engine.kv_cache, fingerprint, engine.occupancy)
+        arch = engine.runner.model.arch
+        info = CoreInfo(arch, config.cache.block_size, engine.kv_cache, engine.fingerprint, engine.occupancy)
     except BaseException as e:  # the front raises it: a bad model or config fails the worker's start
         events.send(RuntimeError(f"the engine core failed to start: {e!r}"))
         raise

@@ -143,9 +143,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            if not self.blocks.can_allocate(tokens, request.reuses_cache):
+            if not self.blocks.can_allocate(tokens, request.reuses_cache, request.params.cache_salt):
                 break
-            cached = self.blocks.allocate(request.request_id, tokens, request.reuses_cache)
+            salt, loaded, request.loaded = request.params.cache_salt, request.loaded, None
+            cached = self.blocks.allocate(request.request_id, tokens, request.reuses_cache, salt, loaded)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached

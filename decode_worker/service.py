@@ -35,7 +35,6 @@ from cluster.config import AuthConfig, ClusterConfig
 from cluster.grpc_server import Refused, admit_submit, check_submit
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
-from cluster.kv.wire import model_fingerprint
 from cluster.telemetry import Telemetry, extract
 from cluster.worker_shell import WorkerShell
 from decode_worker.core import ProcessCore, ThreadCore
@@ -349,8 +348,7 @@ def from_config(config: ClusterConfig, worker_id: str) -> DecodeWorker:
         core: Core = ProcessCore.spawn(config, worker_id)
         return around(config, worker_id, core, core.info.fingerprint)
     engine = build_engine(config, text=False)  # its front applies the text, as over a core process
-    model = engine.runner.model
-    return around(config, worker_id, ThreadCore(engine), model_fingerprint(model, model.arch))
+    return around(config, worker_id, ThreadCore(engine), engine.fingerprint)
 
 
 def around(config: ClusterConfig, worker_id: str, core: Core, fingerprint: bytes) -> DecodeWorker:

@@ -151,8 +151,9 @@ def build_engine(config: ClusterConfig) -> PrefillEngine:
     grammars = for_tokenizer(tokenizer, model.arch.vocab_size, eos)
     num_blocks = num_kv_blocks(model, config.cache)
     return PrefillEngine(
-        model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars
-    )
+        model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars,
+        secret=config.auth.secret,
+    )  # fmt: skip
 
 
 def senders_for(config: ClusterConfig) -> Senders:
@@ -183,7 +184,7 @@ class ThreadCore:
 
     @property
     def has_work(self) -> bool:
-        return self.engine.scheduler.has_work
+        return self.engine.has_work
 
     def stop(self) -> None:
         self._shipping.senders.close()
@@ -195,7 +196,7 @@ class ThreadCore:
         while not stopped.is_set():
             seen = engine.changes.version  # read first: a change from here on wakes the wait below
             with self._lock:
-                busy = engine.scheduler.has_work
+                busy = engine.has_work
                 started = time.time()
                 try:
                     frame = Frame(engine.step() if busy else [], started=started, ended=time.time())
@@ -344,12 +345,12 @@ class PrefillLoop(CoreLoop):
     def _turns(self) -> None:
         engine = self.prefill
         while True:
-            busy = engine.scheduler.has_work
+            busy = engine.has_work
             wait = 0 if busy else LEASE_POLL_S if engine.scheduler.held else IDLE_WAKE_S
             if self.commands.poll(wait) and not self._apply_commands():
                 return
             frame = Frame()
-            if engine.scheduler.has_work:
+            if engine.has_work:
                 frame.started = time.time()
                 try:
                     frame.outputs = [replace(out, transfer=None) for out in engine.step()]  # type: ignore[arg-type]
@@ -373,7 +374,7 @@ class PrefillLoop(CoreLoop):
         frame.kv = engine.kv_journal.since(self.cursor)
         if frame.kv is not None:
             self.cursor = frame.kv.last
-        frame.stats, frame.busy, frame.taken = engine.stats(), engine.scheduler.has_work, self.taken
+        frame.stats, frame.busy, frame.taken = engine.stats(), engine.has_work, self.taken
         self.outbox.send(frame)
 
     def _transfer_ended(self, request_id: str, stream: SendStream) -> None:

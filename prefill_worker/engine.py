@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.engine.block_manager import BlockManager
 from cluster.engine.changes import Changes
-from cluster.engine.kv_events import KVJournal
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, TokenLogprob
 from cluster.engine.sampler import Sampler, SampleRow
 from cluster.engine.structured import Grammars
+from cluster.kv.tiering import PARKED_WAIT_S, Tiering, named_pool
 from cluster.kv.transport import KVSender, SendStream
-from cluster.kv.wire import DTYPE_NAMES, KVHeader, make_chunk, model_fingerprint
+from cluster.kv.wire import DTYPE_NAMES, KVHeader, make_chunk
 from cluster.model.causal_lm import CausalLM
 from prefill_worker.scheduler import PrefillScheduler
 
@@ -85,6 +84,7 @@ class PrefillEngine:
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
         grammars: Grammars | None = None,
+        secret: str = "",  # the cluster's: it seals the KV tiers' entries
     ) -> None:
         self.model = model
         self.grammars = grammars  # structured output; None refuses constrained requests
@@ -92,14 +92,14 @@ class PrefillEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.clock = clock
         self.num_blocks = num_blocks
-        self.kv_journal = KVJournal()  # what the prefix cache holds, for the routers' watch streams
-        prefix = cache.enable_prefix_caching
-        blocks = BlockManager(num_blocks, cache.block_size, cache.watermark, prefix, self.kv_journal)
+        pool = named_pool(model, model.arch, cache, num_blocks)
+        self.fingerprint, blocks = pool.fingerprint, pool.blocks
+        self.kv_journal = pool.journal  # what the prefix cache holds, for the routers' watch streams
         self.scheduler = PrefillScheduler(scheduler, blocks)
         self.runner = ModelRunner(
             model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed), kv_dtype=cache.kv_dtype
         )
-        self.fingerprint = model_fingerprint(model, model.arch)  # once, at load
+        self.tiering = Tiering.build(cache.tiers, secret, blocks, self.runner)  # None without KV tiers
         layerwise = transfer.layerwise
         self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
         self._jobs: dict[str, _Job] = {}
@@ -110,7 +110,12 @@ class PrefillEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or bool(self.scheduler.held)
+        return self.scheduler.has_work or bool(self.scheduler.held) or bool(self.tiering and self.tiering.parked)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step has anything to do: prompts to compute, or prompts whose KV is loading."""
+        return self.scheduler.has_work or bool(self.tiering and self.tiering.parked)
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
@@ -147,7 +152,8 @@ class PrefillEngine:
             if self.grammars is None:
                 raise ValueError("structured output is not available on this worker (no tokenizer)")
             request.matcher = self.grammars.matcher(params.structured, request.output_token_ids)
-        self.scheduler.add(request)
+        if self.tiering is None or not self.tiering.park(request):  # parked: its KV loads first
+            self.scheduler.add(request)
         self._jobs[request_id] = _Job(request, sender, capability, skip=decode_cached_tokens)
         self._changed()
 
@@ -157,7 +163,9 @@ class PrefillEngine:
             return False
         if job.stream is not None:
             job.stream.abort()
-        found = self.scheduler.abort(request_id)
+        found = self.scheduler.abort(request_id) or (
+            self.tiering is not None and self.tiering.abort(request_id) is not None
+        )
         self._changed()
         return found
 
@@ -170,9 +178,16 @@ class PrefillEngine:
 
     def step(self) -> list[PrefillOutput]:
         self.poll_leases()
+        tiering = self.tiering
+        for request in tiering.ready() if tiering is not None else ():
+            self.scheduler.add(request)
         plan = self.scheduler.schedule()
         if plan.empty:
+            if tiering is not None and tiering.parked:
+                tiering.wait(PARKED_WAIT_S)  # nothing to run until a load ends
             return []
+        if tiering is not None:
+            tiering.move()  # evicted blocks out, loaded blocks in, before the pass
         finishing = [c for c in plan.chunks if c.samples]
         for c in finishing:
             self._jobs[c.request.request_id].stream = self._open(c.request)
@@ -206,6 +221,8 @@ class PrefillEngine:
                     request.take_prompt_logprobs(),
                 )
             )  # fmt: skip
+        if tiering is not None:
+            tiering.move()  # blocks computed by the pass, when they are written through
         self._changed()
         return outputs
 

@@ -61,9 +61,10 @@ class PrefillScheduler:
             budget -= chunks[-1].num_new
         while self.waiting and budget > 0 and len(self.prefilling) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.blocks.can_allocate(request.all_token_ids, request.reuses_cache):
+            if not self.blocks.can_allocate(request.all_token_ids, request.reuses_cache, request.params.cache_salt):
                 break
-            cached = self.blocks.allocate(request.request_id, request.all_token_ids, request.reuses_cache)
+            salt, loaded, request.loaded = request.params.cache_salt, request.loaded, None
+            cached = self.blocks.allocate(request.request_id, request.all_token_ids, request.reuses_cache, salt, loaded)
             request.num_computed_tokens = request.num_cached_tokens = cached
             self.cached_tokens += cached
             request.status = Status.RUNNING

@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-from cluster.engine.kv_events import KVJournal, block_hashes
+from cluster.engine.block_names import UNNAMED_MODEL, chain
+from cluster.engine.kv_events import KVJournal
 from cluster.grpc_server import kv_events_message, message_options
 
 VOCAB = 1000
@@ -67,12 +68,12 @@ class FakeCache:
     def __init__(self, capacity: int, block_size: int = 16) -> None:
         self.capacity, self.block_size = capacity, block_size
         self.journal = KVJournal()
-        self._blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Leading tokens of `tokens` whose KV is cached (whole blocks, never the last token)."""
         cached = 0
-        for block_hash in block_hashes(tokens[:-1], self.block_size):
+        for block_hash in chain(tokens[:-1], self.block_size, UNNAMED_MODEL):
             if block_hash not in self._blocks:
                 break
             self._blocks.move_to_end(block_hash)
@@ -81,7 +82,7 @@ class FakeCache:
 
     def store(self, tokens: Sequence[int]) -> None:
         """Caches the full blocks of `tokens`, whose KV was computed."""
-        for block_hash in block_hashes(tokens, self.block_size):
+        for block_hash in chain(tokens, self.block_size, UNNAMED_MODEL):
             if block_hash in self._blocks:
                 self._blocks.move_to_end(block_hash)
                 continue

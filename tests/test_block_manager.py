@@ -107,15 +107,6 @@ def test_failed_allocation_leaves_nothing_behind():
     bm.check_integrity()
 
 
-def test_hash_collision_falls_back_to_token_compare():
-    bm = BlockManager(8, BS)
-    bm.allocate("a", [1, 2, 3, 4])
-    bm.mark_computed("a", [1, 2, 3, 4])
-    block = bm._blocks[bm.block_table("a")[0]]
-    block.tokens = (9, 9, 9, 9)  # as if another run of tokens had produced the same hash
-    assert bm.allocate("b", [1, 2, 3, 4, 5]) == 0
-
-
 def test_sizing_from_budget():
     per_block = kv_block_bytes(16, num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2)
     assert per_block == 2 * 30 * 16 * 3 * 64 * 2

@@ -20,7 +20,7 @@ from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from cli.main import main as cli
 from cluster.config import parse_config
-from cluster.engine.kv_events import block_hashes
+from cluster.engine.block_names import chain
 from cluster.engine.request import SamplingParams
 from cluster.generate import generate
 from cluster.model.loader import load_model
@@ -331,7 +331,8 @@ def test_turn_2_returns_to_its_kv_on_the_ray_cluster_and_computes_only_its_new_t
         decode = first.metadata["tandem-decode"]
         index = router.view.index
 
-        computed = block_hashes([*history, *first.token_ids[:-1]], 16)  # the three blocks turn 1 left
+        (root,) = index.prefix.roots()  # the model root the workers reported
+        computed = chain([*history, *first.token_ids[:-1]], 16, root)  # the three blocks turn 1 left
 
         def heard() -> bool:  # the decode worker's cache events, and its load with the request gone
             load = index.loads().get(decode)

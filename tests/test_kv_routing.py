@@ -11,7 +11,8 @@ import pytest
 from tandem.v1 import worker_pb2
 
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.kv_events import KVJournal, block_hashes
+from cluster.engine.block_names import UNNAMED_MODEL, chain
+from cluster.engine.kv_events import KVJournal
 from router.placement.index import LoadIndex
 from router.placement.placement import choose
 from router.placement.prefix_index import PrefixIndex
@@ -34,7 +35,7 @@ def test_the_block_manager_tells_the_journal_what_it_registers_and_evicts():
     tokens = list(range(12))
     blocks.allocate("a", tokens)
     blocks.mark_computed("a", tokens)
-    assert journal.held() == set(block_hashes(tokens, BS)[:3])  # the hashes routers compute alone
+    assert journal.held() == set(chain(tokens, BS, UNNAMED_MODEL)[:3])  # the names routers compute alone
     blocks.check_integrity()
     blocks.free("a")
     blocks.allocate("b", list(range(100, 112)))  # needs 3 fresh blocks: evicts cached ones
@@ -66,7 +67,7 @@ def test_events_come_in_order_as_net_batches_and_a_reader_too_far_behind_gets_a_
 def test_the_index_matches_leading_blocks_per_worker():
     index = PrefixIndex()
     a, b = list(range(16)), list(range(8)) + [99] * 8
-    ha, hb = block_hashes(a, BS), block_hashes(b, BS)
+    ha, hb = chain(a, BS, UNNAMED_MODEL), chain(b, BS, UNNAMED_MODEL)
     journal_a, journal_b = KVJournal(), KVJournal()
     for h in ha:
         journal_a.stored(h)
@@ -74,12 +75,12 @@ def test_the_index_matches_leading_blocks_per_worker():
         journal_b.stored(h)
     assert index.apply("w-a", journal_a.since(None)) and index.apply("w-b", journal_b.since(None))
     assert index.match(ha) == {"w-a": 4, "w-b": 2}
-    assert index.match(block_hashes([5] * 16, BS)) == {}
+    assert index.match(chain([5] * 16, BS, UNNAMED_MODEL)) == {}
 
 
 def test_a_gap_is_refused_until_a_snapshot_and_a_dead_worker_is_dropped():
     index, journal = PrefixIndex(), KVJournal()
-    hashes = block_hashes(list(range(12)), BS)
+    hashes = chain(list(range(12)), BS, UNNAMED_MODEL)
     assert index.apply("w", journal.since(None))
     journal.stored(hashes[0])
     missed = journal.since(0)
@@ -99,7 +100,7 @@ def test_a_gap_is_refused_until_a_snapshot_and_a_dead_worker_is_dropped():
 def test_the_index_stays_within_its_block_bound_least_recently_used_first():
     index, journal = PrefixIndex(max_blocks=1000), KVJournal()
     index.apply("w", journal.since(None))
-    hot = block_hashes(list(range(8)), BS)
+    hot = chain(list(range(8)), BS, UNNAMED_MODEL)
     for h in hot:
         journal.stored(h)
     index.apply("w", journal.since(0))
@@ -139,7 +140,7 @@ def both(prompt, loads, matches, local_max=8, max_tokens=4):
     pure = choose(prompt, max_tokens, loads, BS, local_max, matches=matches)
     index = LoadIndex(stale_after_s=1e9)
     index.prefix = PrefixIndex()
-    hashes = block_hashes(prompt, BS)
+    hashes = chain(prompt, BS, UNNAMED_MODEL)
     for name, load_ in loads.items():
         index.update(name, load_)
         journal = KVJournal()

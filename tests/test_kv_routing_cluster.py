@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import parse_config
-from cluster.engine.kv_events import KVBatch, block_hashes
+from cluster.engine.block_names import chain
+from cluster.engine.kv_events import KVBatch
 from cluster.generate import generate
 from cluster.model.loader import load_model
 from decode_worker import service as decode_service
@@ -62,7 +63,8 @@ def wait_for_blocks(router, worker: str, tokens: list[int], within_s: float = 10
     """Until the router has heard that `worker` holds the whole blocks of `tokens` and is idle
     again (as a user's next turn comes after a think time)."""
     prefix, index = router.view.index.prefix, router.view.index
-    hashes = block_hashes(tokens, BLOCK)
+    (root,) = prefix.roots()
+    hashes = chain(tokens, BLOCK, root)
 
     def heard() -> bool:
         load = index.loads().get(worker)
@@ -126,7 +128,8 @@ def test_a_decode_worker_without_the_blocks_the_router_expected_refuses_and_the_
     prompt = [(29 * i) % 400 + 3 for i in range(120)]
     prefix, name = router.view.index.prefix, "decode-1"
     cursor = prefix._cursor[name]
-    claimed = block_hashes(prompt, BLOCK)[:4]
+    (root,) = prefix.roots()
+    claimed = chain(prompt, BLOCK, root)[:4]
     assert prefix.apply(name, KVBatch(cursor + 1, cursor + 1, claimed, []))  # what it does not hold
     migrations = router.telemetry.metrics.migrations.labels("prefill")._value.get()
     with Client(address, timeout=60) as client:

@@ -7,8 +7,8 @@ in every chunk. Servers run in this process on loopback."""
 from __future__ import annotations
 
 import http.client
-import itertools
 import inspect
+import itertools
 import json
 import threading
 import time
@@ -366,6 +366,29 @@ def test_cached_tokens_are_what_the_prefix_cache_served(served):
             streamed = list(create(**sent, **args, **usage))[-1].usage
             assert streamed.prompt_tokens_details.cached_tokens == cached
             assert streamed.prompt_tokens == second.prompt_tokens
+
+
+def test_requests_with_different_cache_salts_share_no_cached_tokens(served):
+    """vLLM's `cache_salt`: a prompt cached under one salt is a miss under another and unsalted; the
+    same salt hits, on the OpenAI face and the gRPC API alike. A bad salt is a 400 naming it."""
+    base, grpc_address, _, _ = served
+    prompt = "".join(f"salted_{i} = {i} * {i}\n" for i in range(12))
+    args = {"model": "tandem-demo-code", "max_tokens": 2, "temperature": 0}
+    create = client(base).completions.create
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        details = create(prompt=prompt, extra_body=extra, **args).usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    assert cached("tenant-a") == 0 and cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    with Client(grpc_address, api_key=KEY) as native:
+        assert native.generate(prompt, max_tokens=2, temperature=0, cache_salt="tenant-c").cached_prompt_tokens == 0
+        assert native.generate(prompt, max_tokens=2, temperature=0, cache_salt="tenant-a").cached_prompt_tokens > 0
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            create(prompt=prompt, extra_body={"cache_salt": bad}, **args)
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):

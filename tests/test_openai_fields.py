@@ -43,6 +43,7 @@ EXAMPLES: dict[str, Any] = {
     "include_stop_str_in_output": True, "add_special_tokens": "other", "truncate_prompt_tokens": 8,
     "prompt_logprobs": 1, "use_beam_search": True, "bad_words": ["x"], "allowed_token_ids": [5],
     "priority": 1, "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+    "cache_salt": "tenant-a",
     "guided_grammar": "root ::= 'a'", "structured_outputs": {"regex": "a+"},
     "add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": False},

@@ -19,7 +19,7 @@ import pytest
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 from cluster.config import parse_config
-from cluster.engine.kv_events import block_hashes
+from cluster.engine.block_names import chain
 from cluster.engine.request import SamplingParams
 from decode_worker import service as decode_service
 from prefill_worker import service as prefill_service
@@ -149,7 +149,7 @@ def test_a_transfer_that_fails_in_the_core_fails_its_call_and_frees_its_blocks(c
     core = prefills["process"].engine
     wait_until(lambda: core.stats().free_blocks == core.stats().total_blocks, "the failed transfer's blocks are freed")
     # Watch's mirror of the core's prefix cache (fed by the frames) holds the prompt's full blocks
-    assert set(block_hashes(prompt, 16)) <= core.kv_journal.held()
+    assert set(chain(prompt, 16, core.kv_journal.root)) <= core.kv_journal.held()
 
 
 def test_a_prefill_core_that_dies_takes_its_worker_out_and_the_cluster_serves_on():

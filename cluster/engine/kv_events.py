@@ -1,36 +1,28 @@
 """What a worker's prefix cache holds, told as events, so that routers place requests where the KV
 already is instead of guessing.
 
-A `KVJournal` records each full block the cache registers (`stored`, by its chained hash: the one
-`BlockManager` keys blocks by, which `block_hashes` computes from token ids alone) and each one it
-evicts (`removed`). Every event has a sequence number. A reader (a router's watch stream) keeps a
-cursor and asks for what happened since (`since`): a compact batch, each block's last event only.
-The journal keeps the last `max_events` events; a reader that fell further behind gets a snapshot
-instead, every block held now, and goes on from there.
+A `KVJournal` records each full block the cache registers (`stored`, by its name: the one
+`BlockManager` keys blocks by, which `cluster.engine.block_names.chain` computes from token ids and
+the model's root alone) and each one it evicts (`removed`). Every event has a sequence number. A
+reader (a router's watch stream) keeps a cursor and asks for what happened since (`since`): a
+compact batch, each block's last event only. The journal keeps the last `max_events` events; a
+reader that fell further behind gets a snapshot instead, every block held now, and goes on from
+there.
 
-    journal.stored(h) / journal.removed(h)     the block manager, on the engine's thread
-    batch = journal.since(cursor)              a watch stream, on its own thread; None: nothing new
-    cursor = batch.last                        the next call goes on from here
+    journal.stored(name) / journal.removed(name)   the block manager, on the engine's thread
+    batch = journal.since(cursor)                  a watch stream, on its own thread; None: nothing new
+    cursor = batch.last                            the next call goes on from here
 
-The hashes are Python's `hash` of (previous hash, the block's token ids), which is the same in
-every process of the same Python version: routers compute a prompt's hashes themselves.
+Routers compute a prompt's names themselves, from the model's root that each snapshot carries.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The chained hash of each full block of `tokens`, as the block manager keys its cache."""
-    hashes, prev = [], 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = hash((prev, tuple(tokens[start : start + block_size])))
-        hashes.append(prev)
-    return hashes
+from cluster.engine.block_names import UNNAMED_MODEL
 
 
 @dataclass(frozen=True)
@@ -40,28 +32,30 @@ class KVBatch:
 
     first: int
     last: int
-    stored: list[int]
-    removed: list[int]
+    stored: list[bytes]
+    removed: list[bytes]
     snapshot: bool = False
+    root: bytes = b""  # with `snapshot`: the model root the names descend from
 
 
 class KVJournal:
-    def __init__(self, max_events: int = 65536) -> None:
+    def __init__(self, root: bytes = UNNAMED_MODEL, max_events: int = 65536) -> None:
+        self.root = root  # the model's root (`block_names.model_root`), told to readers in snapshots
         self.max_events = max_events
         self.sequence = 0  # the last event's number
-        self._held: set[int] = set()
-        self._log: collections.deque[tuple[int, bool]] = collections.deque()  # (hash, stored), oldest first
+        self._held: set[bytes] = set()
+        self._log: collections.deque[tuple[bytes, bool]] = collections.deque()  # (name, stored), oldest first
         self._lock = threading.Lock()
 
-    def stored(self, block_hash: int) -> None:
-        self._record(block_hash, True)
+    def stored(self, name: bytes) -> None:
+        self._record(name, True)
 
-    def removed(self, block_hash: int) -> None:
-        self._record(block_hash, False)
+    def removed(self, name: bytes) -> None:
+        self._record(name, False)
 
     def snapshot(self) -> KVBatch:
         with self._lock:
-            return KVBatch(self.sequence, self.sequence, list(self._held), [], snapshot=True)
+            return KVBatch(self.sequence, self.sequence, list(self._held), [], True, self.root)
 
     def since(self, cursor: int | None) -> KVBatch | None:
         """The events after `cursor` (None: a reader that has nothing yet gets a snapshot), or None
@@ -71,24 +65,24 @@ class KVJournal:
                 return None
             oldest = self.sequence - len(self._log) + 1
             if cursor is None or cursor + 1 < oldest or cursor > self.sequence:
-                return KVBatch(self.sequence, self.sequence, list(self._held), [], snapshot=True)
-            net: dict[int, bool] = {}
+                return KVBatch(self.sequence, self.sequence, list(self._held), [], True, self.root)
+            net: dict[bytes, bool] = {}
             for i in range(cursor + 1 - oldest, len(self._log)):
-                block_hash, stored = self._log[i]
-                net[block_hash] = stored
+                name, stored = self._log[i]
+                net[name] = stored
         stored = [h for h, s in net.items() if s]
         return KVBatch(cursor + 1, self.sequence, stored, [h for h, s in net.items() if not s])
 
-    def held(self) -> set[int]:
+    def held(self) -> set[bytes]:
         """Every block held now."""
         with self._lock:
             return set(self._held)
 
-    def _record(self, block_hash: int, stored: bool) -> None:
+    def _record(self, name: bytes, stored: bool) -> None:
         with self._lock:
             self.sequence += 1
-            (self._held.add if stored else self._held.discard)(block_hash)
-            self._log.append((block_hash, stored))
+            (self._held.add if stored else self._held.discard)(name)
+            self._log.append((name, stored))
             if len(self._log) > self.max_events:
                 self._log.popleft()
 
@@ -96,14 +90,15 @@ class KVJournal:
 def replay(journal: KVJournal, batch: KVBatch) -> None:
     """Applies another journal's batch to `journal`, which then holds what that one holds."""
     if batch.snapshot:
-        for block_hash in journal.held() - set(batch.stored):
-            journal.removed(block_hash)
+        journal.root = batch.root
+        for name in journal.held() - set(batch.stored):
+            journal.removed(name)
         held = journal.held()
-        for block_hash in batch.stored:
-            if block_hash not in held:
-                journal.stored(block_hash)
+        for name in batch.stored:
+            if name not in held:
+                journal.stored(name)
         return
-    for block_hash in batch.removed:
-        journal.removed(block_hash)
-    for block_hash in batch.stored:
-        journal.stored(block_hash)
+    for name in batch.removed:
+        journal.removed(name)
+    for name in batch.stored:
+        journal.stored(name)

@@ -228,6 +228,36 @@ class ModelRunner:
             k_cache.index_copy_(0, dest, k_cache.index_select(0, source))
             v_cache.index_copy_(0, dest, v_cache.index_select(0, source))
 
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's KV, every layer, as bytes laid out [keys/values, layer, block_size, heads, dim]."""
+        if not block_ids:
+            return []
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        parts = [torch.stack([cache.index_select(0, index) for cache, _ in self.kv_cache])]
+        parts.append(torch.stack([cache.index_select(0, index) for _, cache in self.kv_cache]))
+        blocks = torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()  # [n, 2, layers, block, heads, dim]
+        flat = blocks.view(len(block_ids), -1).view(torch.uint8)
+        return [row.numpy().tobytes() for row in flat]
+
+    @torch.inference_mode()
+    def write_blocks(self, fills: Sequence[tuple[int, bytes]]) -> None:
+        """Writes KV bytes (as `read_blocks` gives them) into their blocks, every layer."""
+        if not fills:
+            return
+        k_cache = self.kv_cache[0][0]
+        data = torch.frombuffer(bytearray(b"".join(p for _, p in fills)), dtype=torch.uint8).view(k_cache.dtype)
+        blocks = data.view(len(fills), 2, len(self.kv_cache), *k_cache.shape[1:]).to(self.device)
+        index = torch.tensor([block_id for block_id, _ in fills], dtype=torch.long, device=self.device)
+        for layer, (keys, values) in enumerate(self.kv_cache):
+            keys.index_copy_(0, index, blocks[:, 0, layer])
+            values.index_copy_(0, index, blocks[:, 1, layer])
+
+    def kv_layout(self) -> bytes:
+        """What a block's bytes mean: element type and shape. The tiers seal entries with it."""
+        keys = self.kv_cache[0][0]
+        return f"{keys.dtype} {len(self.kv_cache)} layers x {tuple(keys.shape[1:])}".encode()
+
 
 def num_kv_blocks(model: CausalLM, cache: CacheConfig) -> int:
     """Blocks that fit in the configured budget (or the configured count)."""

@@ -12,9 +12,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.v1 import api_pb2
+
+if TYPE_CHECKING:
+    from cluster.engine.block_manager import Loaded
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
@@ -40,6 +43,7 @@ class Constraint:
             raise ValueError(f"structured.{self.kind}: is empty")
 
 
+MAX_CACHE_SALT = 256
 TokenLogprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability and the top n alternatives
 
 
@@ -65,6 +69,7 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam search: scores are sum of log-probs / length ** length_penalty
     early_stopping: str = "false"  # beam search: "true", "false" (heuristic) or "never"
     structured: Constraint | None = None  # the output must match this
+    cache_salt: str = ""  # KV is shared only between requests with the same salt ("" among themselves)
 
     def __post_init__(self) -> None:
         checks = [
@@ -81,6 +86,7 @@ class SamplingParams:
             (all(self.stop), "stop strings must not be empty"),
             (self.num_beams >= 1, "num_beams must be >= 1"),
             (self.early_stopping in ("true", "false", "never"), 'early_stopping must be "true", "false" or "never"'),
+            (len(self.cache_salt) <= MAX_CACHE_SALT, f"cache_salt must be at most {MAX_CACHE_SALT} characters"),
         ]
         if self.structured is not None:
             checks += [
@@ -123,6 +129,7 @@ def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         stop=p.stop,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
+        cache_salt=p.cache_salt,
     )
     if p.seed is not None:
         m.seed = p.seed
@@ -204,6 +211,7 @@ def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
         length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
         early_stopping={v: k for k, v in EARLY_STOPPING.items()}[m.early_stopping],
         structured=constraint_from_proto(m.structured) if m.HasField("structured") else None,
+        cache_salt=m.cache_salt,
     )
 
 
@@ -234,6 +242,7 @@ class Request:
     # as its pass computes it; the engine hands them out with the request's first token.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_logprobs: int = 0  # entries computed so far (those handed out included)
+    loaded: Loaded | None = None  # KV of its prompt's blocks read from the tiers, used at admission
 
     def take_prompt_logprobs(self) -> list[tuple[int, TokenLogprob]]:
         """The prompt logprobs scored and not taken yet, as (prompt token, its entry); the output

@@ -126,6 +126,10 @@ VLLM = {  # vLLM's extensions that clients send, on both endpoints
     "guided_regex": honoured("(vLLM) the output matches this regex (Rust regex syntax)"),
     "guided_choice": honoured("(vLLM) the output is one of these strings"),
     "guided_grammar": refused("(vLLM) EBNF grammars are not read; Tandem's gRPC API takes Lark grammars"),
+    "cache_salt": honoured(
+        "(vLLM) a non-empty string of at most 256 characters: requests share cached KV (and KV-aware placement) "
+        "only with requests of the same salt"
+    ),
     "structured_outputs": refused("(vLLM) send response_format, guided_json, guided_regex or guided_choice"),
 }
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from tandem.v1 import api_pb2
 
-from cluster.engine.request import EARLY_STOPPING
+from cluster.engine.request import EARLY_STOPPING, MAX_CACHE_SALT
 from router.openai.fields import CHAT, COMPLETIONS, FieldError, check
 from router.openai.tools import Tools, structured, tools
 
@@ -204,6 +204,13 @@ def _sampling(body: dict[str, Any], chat: bool) -> api_pb2.SamplingParams:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
     elif body.get("logprobs") is not None:
         sampling.logprobs = _count(body["logprobs"], "logprobs")
+    if body.get("cache_salt") is not None:
+        salt = body["cache_salt"]
+        if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+            raise FieldError(
+                "cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters"
+            )
+        sampling.cache_salt = salt
     if body.get("prompt_logprobs") is not None:
         if _flag(body, "stream"):
             raise FieldError("prompt_logprobs", "prompt_logprobs is not available with stream: true")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.v1 import worker_pb2
 
-from cluster.engine.kv_events import block_hashes
+from cluster.engine.block_names import chain
 from router.placement.placement import Choice, NoCapacity, NoneInView, Ring, best_holder, cheapest_decode
 from router.placement.prefix_index import PrefixIndex
 
@@ -101,10 +101,11 @@ class LoadIndex:
         block_size: int,
         local_prefill_max_tokens: int,
         queue_slack_tokens: int = 2048,
+        cache_salt: str = "",
     ) -> Choice:
-        hashes = block_hashes(prompt, block_size) if self.prefix is not None else []
+        chains = self._chains(prompt, block_size, cache_salt)
         with self._lock:
-            matches = {} if self.prefix is None else self.prefix.match(hashes)
+            matches = self._match(chains)
             now = self.clock()
             needed = -(-(len(prompt) + max_tokens) // block_size)
             decode = self._choose_decode(needed, now)
@@ -167,7 +168,23 @@ class LoadIndex:
                 return Choice(decode, None, "local:no-prefill-worker")
             return Choice(decode, rng.choice(prefills), "remote:random")
 
+    def _chains(self, prompt: Sequence[int], block_size: int, cache_salt: str) -> list[list[bytes]]:
+        """The prompt's block names under each root the workers reported, named outside the lock."""
+        if self.prefix is None:
+            return []
+        with self._lock:
+            roots = self.prefix.roots(cache_salt)
+        return [chain(prompt, block_size, root) for root in roots]
+
     # -- internals (under the lock) ----------------------------------------------------------------
+
+    def _match(self, chains: list[list[bytes]]) -> dict[str, int]:
+        """Per worker, the most leading blocks of the prompt it holds under any root."""
+        matches: dict[str, int] = {}
+        for names in chains:
+            for worker, held in self.prefix.match(names).items():  # type: ignore[union-attr]
+                matches[worker] = max(held, matches.get(worker, 0))
+        return matches
 
     def _choose_decode(self, needed: int, now: float) -> str:
         """The lightest decode worker with `needed` blocks free, else the lightest that can hold

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from tandem.v1 import api_pb2
 
-from cluster.engine.request import SamplingParams, params_from_proto
+from cluster.engine.request import MAX_CACHE_SALT, SamplingParams, params_from_proto
 from cluster.engine.structured import Grammars
 
 MAX_BEAMS = 16  # each beam is a sequence in the decode batch
@@ -161,6 +161,7 @@ def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> 
         ("stop", all(len(s) <= limits.max_stop_string_chars for s in m.stop), "a stop string is too long"),
         ("num_beams", m.num_beams <= MAX_BEAMS, f"must be <= {MAX_BEAMS}"),
         ("early_stopping", m.early_stopping in api_pb2.EarlyStopping.values(), "unknown value"),
+        ("cache_salt", len(m.cache_salt) <= MAX_CACHE_SALT, f"must be at most {MAX_CACHE_SALT} characters"),
     ]
     for field, ok, message in checks:
         if not ok:

@@ -147,18 +147,20 @@ class WorkerUpdate(_message.Message):
     def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., sequence: _Optional[int] = ..., kv: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("first", "last", "stored", "removed", "snapshot")
+    __slots__ = ("first", "last", "snapshot", "stored", "removed", "root")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
-    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     first: int
     last: int
-    stored: _containers.RepeatedScalarFieldContainer[int]
-    removed: _containers.RepeatedScalarFieldContainer[int]
     snapshot: bool
-    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    root: bytes
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., root: _Optional[bytes] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,146 @@
+"""Between an engine's paged pool and its KV tiers (`cluster.kv.tiers`): which blocks go down, and
+which prompts wait for a load before they are scheduled.
+
+    tiering = Tiering.build(config, secret, blocks, runner)   None when `cache.tiers` names no tier
+    tiering.park(request) -> bool   on arrival, under the engine's lock: True when the tiers may hold
+                                    more of its prompt than the pool does; it waits here while that
+                                    run loads, on the tiers' loader thread, off the step path
+    tiering.ready() -> [Request]    parked requests whose load ended, with `request.loaded` (None on
+                                    a miss): the engine hands them to its scheduler
+    tiering.move()                  before each step runs and after it: the blocks the pool let go
+                                    (or computed) are copied out for the tiers, then the loaded
+                                    ones copied in
+    tiering.wait(timeout_s)         an engine with only parked requests waits for a load here
+    tiering.close()
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cluster.config import CacheConfig, TiersConfig
+from cluster.engine.block_manager import BlockManager, Loaded
+from cluster.engine.block_names import chain, model_root, request_root
+from cluster.engine.kv_events import KVJournal
+from cluster.engine.request import Request
+from cluster.kv.stores import DiskStore, HostStore, RedisStore, Store
+from cluster.kv.tiers import Tiers
+from cluster.kv.wire import model_fingerprint
+
+GIB = 1 << 30
+PARKED_WAIT_S = 0.005  # an engine whose only requests wait on KV loads sleeps this long a turn
+
+
+@dataclass(frozen=True)
+class Pool:
+    """An engine's block manager, named from its model's fingerprint, with the journal its watch
+    streams read and, when `cache.tiers` names a tier, spilling to it."""
+
+    fingerprint: bytes
+    journal: KVJournal
+    blocks: BlockManager
+
+
+def named_pool(model: torch.nn.Module, arch: object, cache: CacheConfig, num_blocks: int) -> Pool:
+    fingerprint = model_fingerprint(model, arch)  # once, at load
+    root = model_root(fingerprint)  # every block's name descends from it
+    journal = KVJournal(root)
+    spill = cache.tiers.write if cache.tiers.enabled else None
+    prefix = cache.enable_prefix_caching
+    return Pool(
+        fingerprint, journal, BlockManager(num_blocks, cache.block_size, cache.watermark, prefix, journal, root, spill)
+    )
+
+
+class BlockCopier(Protocol):
+    """`cluster.engine.model_runner.ModelRunner`'s block copies."""
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]: ...
+    def write_blocks(self, fills: list[tuple[int, bytes]]) -> None: ...
+    def kv_layout(self) -> bytes: ...
+
+
+def open_stores(config: TiersConfig, secret: str) -> list[Store]:
+    stores: list[Store] = []
+    if config.host is not None:
+        stores.append(HostStore(int(config.host.gib * GIB)))
+    if config.disk is not None:
+        stores.append(DiskStore(config.disk.path, int(config.disk.gib * GIB)))
+    if config.shared is not None:
+        s = config.shared
+        stores.append(RedisStore(s.url, password=secret or None, timeout_s=s.timeout_s, ttl_s=s.ttl_s))
+    return stores
+
+
+class Tiering:
+    def __init__(self, tiers: Tiers, blocks: BlockManager, runner: BlockCopier) -> None:
+        self.tiers, self.blocks, self.runner = tiers, blocks, runner
+        self.loaded_tokens = 0  # prompt tokens served from the tiers
+        self._parked: dict[str, tuple[Request, Future, int]] = {}  # id -> (request, its load, first block)
+        self._woken = threading.Event()
+
+    @classmethod
+    def build(cls, config: TiersConfig, secret: str, blocks: BlockManager, runner: BlockCopier) -> Tiering | None:
+        if not config.enabled:
+            return None
+        tiers = Tiers(
+            open_stores(config, secret), secret.encode(), runner.kv_layout(), retry_after_s=config.retry_after_s
+        )
+        return cls(tiers, blocks, runner)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    def park(self, request: Request) -> bool:
+        if not request.reuses_cache:
+            return False
+        tokens, salt = request.all_token_ids, request.params.cache_salt
+        first = self.blocks.cached_blocks(tokens, salt)
+        names = chain(tokens[:-1], self.blocks.block_size, request_root(self.blocks.root, salt))[first:]
+        if not names or not self.tiers.may_hold(names[0]):
+            return False
+        load = self.tiers.fetch(names)
+        load.add_done_callback(lambda _: self._woken.set())
+        self._parked[request.request_id] = (request, load, first)
+        return True
+
+    def ready(self) -> list[Request]:
+        done = []
+        for request_id, (request, load, first) in list(self._parked.items()):
+            if not load.done():
+                continue
+            del self._parked[request_id]
+            run = None if load.cancelled() or load.exception() is not None else load.result()
+            if run is not None and run.payloads:
+                request.loaded = Loaded(first, run.payloads)
+            done.append(request)
+        return done
+
+    def abort(self, request_id: str) -> Request | None:
+        """Takes a parked request out (its load, if still running, is left to end)."""
+        entry = self._parked.pop(request_id, None)
+        return None if entry is None else entry[0]
+
+    def move(self) -> None:
+        spills = self.blocks.take_spills()
+        if spills:
+            payloads = self.runner.read_blocks([block_id for block_id, _ in spills])
+            for (_, name), payload in zip(spills, payloads, strict=True):
+                self.tiers.offer(name, payload)
+        fills = self.blocks.take_fills()
+        if fills:
+            self.runner.write_blocks(fills)
+            self.loaded_tokens += len(fills) * self.blocks.block_size
+
+    def wait(self, timeout_s: float) -> None:
+        self._woken.wait(timeout_s)
+        self._woken.clear()
+
+    def close(self) -> None:
+        self.tiers.close()

@@ -1,0 +1,108 @@
+"""KV tiers under a real engine's pool (a small random Llama, float32): a turn whose blocks the
+pool evicted loads them from the host tier and computes only the rest, with the tokens (greedy and
+seeded) of a fresh prefill; a restarted engine finds its blocks on disk; a second engine loads a
+prefix the first wrote through to a real Redis; a corrupted entry is computed instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import CacheConfig, DiskTierConfig, HostTierConfig, SchedulerConfig, SharedTierConfig, TiersConfig
+from cluster.engine.request import SamplingParams
+from cluster.model.loader import load_model
+from decode_worker.engine import Engine
+from tests.conftest import drive
+from tests.redis_server import RedisServer, needs_redis
+
+SECRET = "tier-test-secret"
+BATCHING = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_chunk=32)
+GREEDY, SEEDED = SamplingParams(max_tokens=6, temperature=0.0), SamplingParams(max_tokens=6, temperature=0.9, seed=3)
+
+
+class NoText:
+    def decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+        return ""
+
+
+@pytest.fixture(scope="module")
+def model(hf_models):  # type: ignore[no-untyped-def]
+    return load_model(hf_models["llama"][0], "float32")
+
+
+def engine(model, tiers: TiersConfig | None = None, num_blocks: int = 24) -> Engine:  # type: ignore[no-untyped-def]
+    cache = CacheConfig(block_size=4, num_blocks=num_blocks, watermark=0.0, tiers=tiers or TiersConfig())
+    return Engine(model, NoText(), cache, BATCHING, secret=SECRET)
+
+
+def one(e: Engine, prompt: list[int], params: SamplingParams = GREEDY):  # type: ignore[no-untyped-def]
+    streamed, finals = drive(e, {"r": (prompt, params)})
+    return streamed["r"], finals["r"]
+
+
+def prompt(seed: int, n: int = 40) -> list[int]:
+    return [(seed * 31 + 7 * i) % 300 + 3 for i in range(n)]
+
+
+def test_an_evicted_turn_loads_from_the_host_tier_and_equals_a_fresh_prefill(model):
+    tiered = engine(model, TiersConfig(host=HostTierConfig(gib=0.01)))
+    history = prompt(1)
+    first, _ = one(tiered, history)
+    for seed in (2, 3, 4):  # three other 40-token prompts: the 24-block pool lets turn 1's blocks go
+        one(tiered, prompt(seed))
+    assert tiered.scheduler.blocks.cached_blocks([*history, *first], "") == 0, "turn 1 is still in the pool"
+    assert tiered.tiering is not None and tiered.tiering.tiers.flush()
+    turn_2 = [*history, *first, 9, 8, 7]
+    for params in (GREEDY, SEEDED):
+        fresh, _ = one(engine(model, num_blocks=64), turn_2, params)
+        tokens, final = one(tiered, turn_2, params)
+        assert tokens == fresh
+        assert final.num_cached_tokens >= 40, "the tiers' blocks were not counted as cached"
+    assert tiered.tiering.tiers.stats["host"].hits >= 10
+    tiered.scheduler.blocks.check_integrity()
+
+
+def test_a_restarted_engine_serves_its_next_turn_from_disk(model, tmp_path):
+    tiers = TiersConfig(disk=DiskTierConfig(path=tmp_path / "kv", gib=0.01), write="computed")
+    history = prompt(5)
+    first, _ = one(before := engine(model, tiers), history)
+    assert before.tiering is not None and before.tiering.tiers.flush()
+    before.tiering.close()
+    restarted = engine(model, tiers)
+    turn_2 = [*history, *first, 11]
+    tokens, final = one(restarted, turn_2)
+    assert tokens == one(engine(model, num_blocks=64), turn_2)[0]
+    assert final.num_cached_tokens >= 40 and restarted.tiering.tiers.stats["disk"].hits >= 10
+
+
+def test_a_corrupted_disk_entry_is_computed_instead(model, tmp_path):
+    tiers = TiersConfig(disk=DiskTierConfig(path=tmp_path / "kv", gib=0.01), write="computed")
+    history = prompt(6)
+    writer = engine(model, tiers)
+    one(writer, history)
+    assert writer.tiering is not None and writer.tiering.tiers.flush()
+    for path in sorted((tmp_path / "kv").rglob("*.kv")):
+        blob = bytearray(path.read_bytes())
+        blob[-3] ^= 0x40
+        path.write_bytes(bytes(blob))
+    reader = engine(model, tiers)
+    tokens, final = one(reader, [*history, 1])
+    assert tokens == one(engine(model, num_blocks=64), [*history, 1])[0]
+    assert final.num_cached_tokens == 0 and reader.tiering.tiers.stats["disk"].rejected >= 1
+
+
+@needs_redis
+def test_a_second_engine_loads_a_prefix_the_first_wrote_through_to_redis(model, tmp_path):
+    server = RedisServer(tmp_path, password=SECRET).start()
+    try:
+        tiers = TiersConfig(shared=SharedTierConfig(url=server.url), write="computed")
+        history = prompt(7)
+        owner = engine(model, tiers)
+        one(owner, history)
+        assert owner.tiering is not None and owner.tiering.tiers.flush()
+        stranger = engine(model, tiers)
+        turn = [*history, 4, 5]
+        tokens, final = one(stranger, turn, SEEDED)
+        assert tokens == one(engine(model, num_blocks=64), turn, SEEDED)[0]
+        assert final.num_cached_tokens >= 40 and stranger.tiering.tiers.stats["shared"].hits >= 10
+    finally:
+        server.stop()
