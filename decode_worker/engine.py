@@ -31,6 +31,7 @@ its front applies them. Aborting a request frees its blocks at once. Each varian
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from cluster.config import CacheConfig, SchedulerConfig
@@ -246,7 +247,10 @@ class Engine:
             if not plan.empty:
                 if tiering is not None:
                     tiering.move()  # evicted blocks out, loaded blocks in, before the pass
+                started = time.perf_counter()
                 output = self.runner.run(plan)
+                if tiering is not None:
+                    tiering.note_pass(plan, time.perf_counter() - started)
                 outputs += self._update(plan, output)
                 if tiering is not None:
                     tiering.move()  # blocks computed by the pass, when they are written through

@@ -197,7 +197,10 @@ class PrefillEngine:
                                                    if c.request.matcher is not None]):  # fmt: skip
             masks = self.grammars.masks(work)  # beside the pass
         rows = [self._row(c.request) for c in finishing]
+        started = time.perf_counter()
         result = self.runner.execute(plan, rows, ship if self.layerwise else None, masks)
+        if tiering is not None:
+            tiering.note_pass(plan, time.perf_counter() - started)
         if not self.layerwise:
             for layer in range(self.model.arch.num_layers):
                 ship(layer)

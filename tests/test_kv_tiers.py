@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from cluster.engine.block_manager import BlockManager
 from cluster.engine.block_names import UNNAMED_MODEL, chain
 from cluster.kv.stores import DiskStore, HostStore, RedisStore, StoreDown
+from cluster.kv.tiering import PROBE_EVERY, Tiering
 from cluster.kv.tiers import Tiers, seal, unseal
 from tests.redis_server import RedisServer, needs_redis
 
@@ -175,3 +177,16 @@ def test_the_shared_tier_on_a_real_redis_goes_off_when_it_dies_and_back_when_it_
             t.close()
     finally:
         server.stop()
+
+
+def test_a_tier_is_read_only_while_its_block_costs_less_than_computing_one_save_a_probe(tmp_path):
+    tiers = Tiers([HostStore(1 << 20), DiskStore(tmp_path / "kv", 1 << 20)], SECRET, LAYOUT)
+    tiering = Tiering(tiers, BlockManager(8, 16), runner=None)  # type: ignore[arg-type]
+    assert tiering._worth_loading() == ["host", "disk"], "nothing measured yet: every tier is worth a try"
+    tiering.prefill_rate = 1600.0  # a 16-token block computes in 10 ms
+    tiers.stats["host"].hits, tiers.stats["host"].load_seconds = 10, 0.001  # 0.1 ms a block
+    tiers.stats["disk"].hits, tiers.stats["disk"].load_seconds = 10, 0.5  # 50 ms a block
+    picks = [tiering._worth_loading() for _ in range(PROBE_EVERY)]
+    assert all("host" in p for p in picks)
+    assert sum("disk" in p for p in picks) == 1 and tiering.passed_over["disk"] == PROBE_EVERY - 1
+    tiers.close()

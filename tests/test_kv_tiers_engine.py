@@ -5,6 +5,8 @@ prefix the first wrote through to a real Redis; a corrupted entry is computed in
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.config import CacheConfig, DiskTierConfig, HostTierConfig, SchedulerConfig, SharedTierConfig, TiersConfig
@@ -106,3 +108,32 @@ def test_a_second_engine_loads_a_prefix_the_first_wrote_through_to_redis(model, 
         assert final.num_cached_tokens >= 40 and stranger.tiering.tiers.stats["shared"].hits >= 10
     finally:
         server.stop()
+
+
+def test_a_tier_slower_than_computing_is_passed_over(model, tmp_path):
+    """Loading only where it is cheaper: once a block from the disk tier has cost more than the
+    engine takes to compute one, prompts compute instead."""
+    tiers = TiersConfig(disk=DiskTierConfig(path=tmp_path / "kv", gib=0.01), write="computed")
+    tiered = engine(model, tiers)
+    history = prompt(8)
+    one(tiered, history)
+    assert tiered.tiering is not None and tiered.tiering.tiers.flush()
+    disk = tiered.tiering.tiers.stores[0]
+    read = disk.get_many
+
+    def slow(names):  # type: ignore[no-untyped-def]
+        time.sleep(0.05 * len(names))  # 50 ms a block: the tiny model computes one in well under that
+        return read(names)
+
+    disk.get_many = slow  # type: ignore[method-assign]
+
+    def turn() -> int:
+        for seed in (2, 3, 4):  # turn 1's blocks leave the pool
+            one(tiered, prompt(seed))
+        tokens, final = one(tiered, [*history, 1])
+        assert tokens == one(engine(model, num_blocks=64), [*history, 1])[0]
+        return final.num_cached_tokens
+
+    assert turn() >= 36, "the first load (nothing measured yet) did not read the disk tier"
+    assert tiered.tiering.prefill_rate is not None
+    assert turn() == 0 and tiered.tiering.passed_over["disk"] >= 1, "a slower tier was still read"

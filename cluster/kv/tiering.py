@@ -10,7 +10,12 @@ which prompts wait for a load before they are scheduled.
     tiering.move()                  before each step runs and after it: the blocks the pool let go
                                     (or computed) are copied out for the tiers, then the loaded
                                     ones copied in
+    tiering.note_pass(plan, s)      after each pass: what computing a prompt's block costs here
     tiering.wait(timeout_s)         an engine with only parked requests waits for a load here
+
+A tier is loaded from only while a block from it has cost less than computing one (each tier's
+load time and the engine's prefill rate, both measured as they run); a tier that was slower is
+still tried one load in `PROBE_EVERY`, so it is seen when it gets faster.
     tiering.close()
 """
 
@@ -27,12 +32,13 @@ from cluster.config import CacheConfig, TiersConfig
 from cluster.engine.block_manager import BlockManager, Loaded
 from cluster.engine.block_names import chain, model_root, request_root
 from cluster.engine.kv_events import KVJournal
-from cluster.engine.request import Request
+from cluster.engine.request import Request, StepPlan
 from cluster.kv.stores import DiskStore, HostStore, RedisStore, Store
 from cluster.kv.tiers import Tiers
 from cluster.kv.wire import model_fingerprint
 
 GIB = 1 << 30
+PROBE_EVERY = 32
 PARKED_WAIT_S = 0.005  # an engine whose only requests wait on KV loads sleeps this long a turn
 
 
@@ -81,6 +87,9 @@ class Tiering:
     def __init__(self, tiers: Tiers, blocks: BlockManager, runner: BlockCopier) -> None:
         self.tiers, self.blocks, self.runner = tiers, blocks, runner
         self.loaded_tokens = 0  # prompt tokens served from the tiers
+        self.prefill_rate: float | None = None  # prompt tokens a second, as passes here compute them
+        self.passed_over: dict[str, int] = {store.kind: 0 for store in tiers.stores}  # loads judged dearer
+        self._fetches = 0
         self._parked: dict[str, tuple[Request, Future, int]] = {}  # id -> (request, its load, first block)
         self._woken = threading.Event()
 
@@ -103,9 +112,10 @@ class Tiering:
         tokens, salt = request.all_token_ids, request.params.cache_salt
         first = self.blocks.cached_blocks(tokens, salt)
         names = chain(tokens[:-1], self.blocks.block_size, request_root(self.blocks.root, salt))[first:]
-        if not names or not self.tiers.may_hold(names[0]):
+        kinds = self._worth_loading() if names else []
+        if not kinds or not self.tiers.may_hold(names[0], kinds):
             return False
-        load = self.tiers.fetch(names)
+        load = self.tiers.fetch(names, kinds)
         load.add_done_callback(lambda _: self._woken.set())
         self._parked[request.request_id] = (request, load, first)
         return True
@@ -137,6 +147,28 @@ class Tiering:
         if fills:
             self.runner.write_blocks(fills)
             self.loaded_tokens += len(fills) * self.blocks.block_size
+
+    def note_pass(self, plan: StepPlan, seconds: float) -> None:
+        """Folds a pass's prompt tokens a second into the prefill rate (a pass of decode rows alone
+        tells nothing about it)."""
+        tokens = sum(c.num_new for c in plan.chunks if c.num_new > 1)
+        if tokens >= self.blocks.block_size and seconds > 0:
+            rate = tokens / seconds
+            self.prefill_rate = rate if self.prefill_rate is None else 0.8 * self.prefill_rate + 0.2 * rate
+
+    def _worth_loading(self) -> list[str]:
+        """The tiers a load may read: each whose block has cost less than computing one, or not yet
+        measured, or due for a probe."""
+        self._fetches += 1
+        kinds = []
+        for kind, stats in self.tiers.stats.items():
+            cheaper = self.prefill_rate is None or stats.hits == 0
+            cheaper = cheaper or stats.load_seconds / stats.hits < self.blocks.block_size / self.prefill_rate
+            if cheaper or self._fetches % PROBE_EVERY == 0:
+                kinds.append(kind)
+            else:
+                self.passed_over[kind] += 1
+        return kinds
 
     def wait(self, timeout_s: float) -> None:
         self._woken.wait(timeout_s)

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,14 +121,16 @@ class Tiers:
                 self.dropped += 1
             return False
 
-    def may_hold(self, name: bytes) -> bool:
-        """Whether a load of a run starting at block `name` may find anything: a local tier holds it,
-        or a shared tier is on (which only a round trip could tell). Asked on the engine's thread."""
-        return any(s.kind == "shared" or s.holds(name) for s in self._available())
+    def may_hold(self, name: bytes, kinds: Collection[str]) -> bool:
+        """Whether a load of a run starting at block `name` from tiers of `kinds` may find anything: a
+        local tier holds it, or a shared tier is on (only a round trip could tell). Asked on the
+        engine's thread."""
+        return any(s.kind in kinds and (s.kind == "shared" or s.holds(name)) for s in self._available())
 
-    def fetch(self, names: Sequence[bytes]) -> Future[_Run]:
-        """The payloads (and the tier of each) of the longest leading run of `names` the tiers hold."""
-        return self._loader.submit(self._fetch, list(names))
+    def fetch(self, names: Sequence[bytes], kinds: Collection[str] | None = None) -> Future[_Run]:
+        """The payloads (and the tier of each) of the longest leading run of `names` the tiers hold
+        (only those of `kinds`, when given)."""
+        return self._loader.submit(self._fetch, list(names), kinds)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every block offered so far is written (tests, shutdown); False on timeout."""
@@ -162,16 +164,17 @@ class Tiers:
                     with self._lock:
                         self.stats[store.kind].writes += 1
 
-    def _fetch(self, names: list[bytes]) -> _Run:
+    def _fetch(self, names: list[bytes], kinds: Collection[str] | None) -> _Run:
         run = _Run()
-        local = [s for s in self._available() if s.kind != "shared"]
+        stores = [s for s in self._available() if kinds is None or s.kind in kinds]
+        local = [s for s in stores if s.kind != "shared"]
         for store in local:
             store.pin(names)
         try:
             for name in names:
                 if not self._take(run, local, name):
                     break
-            shared = next((s for s in self._available() if s.kind == "shared"), None)
+            shared = next((s for s in stores if s.kind == "shared"), None)
             if shared is not None and len(run.payloads) < len(names):
                 self._take_shared(run, shared, names[len(run.payloads) :])
         finally:
