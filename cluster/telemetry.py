@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from cluster.config import TelemetryConfig
+from cluster.engine.changes import TierCounts
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 # What the Ray actors send through `ray.util.metrics`: name -> (kind, help, tag keys). Ray's exporter
@@ -58,6 +59,7 @@ class Metrics:
         self._latencies()
         self._request_counts()
         self._worker_gauges()
+        self._kv_tiers()
         self._speculation_and_slo()
         self._zero_known_labels()
         self.address: str | None = None
@@ -109,6 +111,39 @@ class Metrics:
         self.running = prom.Gauge("tandem_running_seqs", "Sequences in the running batch.", registry=r)
         self.waiting = prom.Gauge("tandem_waiting_seqs", "Sequences waiting.", registry=r)
         self.prefix_hit_rate = prom.Gauge("tandem_prefix_cache_hit_rate", "Prefix-cache block hit rate.", registry=r)
+
+    def _kv_tiers(self) -> None:
+        """A worker's KV tiers (`cache.tiers`), each metric labelled by tier: host, disk or shared."""
+        r, tier = self.registry, ["tier"]
+        self._tier_counters = {
+            "hits": prom.Counter("tandem_kv_tier_hit_blocks", "KV blocks loaded from a tier.", tier, registry=r),
+            "bytes_loaded": prom.Counter("tandem_kv_tier_loaded_bytes", "Bytes loaded from a tier.", tier, registry=r),
+            "load_seconds": prom.Counter(
+                "tandem_kv_tier_load_seconds", "Time spent loading from a tier.", tier, registry=r
+            ),
+            "writes": prom.Counter("tandem_kv_tier_written_blocks", "KV blocks written to a tier.", tier, registry=r),
+            "rejected": prom.Counter(
+                "tandem_kv_tier_rejected_entries", "Entries read back whose seal failed (misses).", tier, registry=r
+            ),
+            "failures": prom.Counter(
+                "tandem_kv_tier_failures", "Times a tier's store failed and the tier went off.", tier, registry=r
+            ),
+        }
+        self.tier_up = prom.Gauge(
+            "tandem_kv_tier_up", "1 while a tier is on, 0 while off after a failure.", tier, registry=r
+        )
+        self._tiers_seen: dict[str, TierCounts] = {}
+
+    def observe_tiers(self, counts: Sequence[TierCounts]) -> None:
+        """Brings the tier metrics up to an engine's published counts."""
+        for c in counts:
+            last = self._tiers_seen.get(c.tier)
+            for field, counter in self._tier_counters.items():
+                delta = getattr(c, field) - (getattr(last, field) if last is not None else 0)
+                if delta > 0:
+                    counter.labels(c.tier).inc(delta)
+            self.tier_up.labels(c.tier).set(1 if c.up else 0)
+            self._tiers_seen[c.tier] = c
 
     def _speculation_and_slo(self) -> None:
         """Speculative decoding on a worker; requests that met their SLO targets at the router."""

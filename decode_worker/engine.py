@@ -268,6 +268,7 @@ class Engine:
             queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
             free_blocks=blocks.num_free_blocks, total_blocks=blocks.num_blocks, preemptions=s.stats.num_preemptions,
             prefix_hits=blocks.prefix_hits, prefix_queries=blocks.prefix_queries,
+            tiers=self.tiering.counts() if self.tiering is not None else (),
         )  # fmt: skip
         self.changes.bump()
 

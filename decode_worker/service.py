@@ -213,6 +213,7 @@ class DecodeWorker(WorkerShell[Core]):
         m.waiting.set(o.waiting)
         m.preemptions.set(o.preemptions)
         m.prefix_hit_rate.set(o.prefix_hits / o.prefix_queries if o.prefix_queries else 0.0)
+        m.observe_tiers(o.tiers)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id,
             role="decode",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.engine.changes import Changes
+from cluster.engine.changes import Changes, TierCounts
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request, SamplingParams, ScheduledChunk, TokenLogprob
 from cluster.engine.sampler import Sampler, SampleRow
@@ -60,6 +60,7 @@ class PrefillStats:
     prefix_hit_rate: float  # share of full prompt blocks found in the prefix cache
     free_blocks: int
     total_blocks: int
+    tiers: tuple[TierCounts, ...] = ()  # the KV tiers', when `cache.tiers` names any
 
 
 @dataclass
@@ -266,6 +267,7 @@ class PrefillEngine:
             computed_tokens=s.computed_tokens,
             cached_tokens=s.cached_tokens,
             prefix_hit_rate=blocks.prefix_hits / blocks.prefix_queries if blocks.prefix_queries else 0.0,
+            tiers=self.tiering.counts() if self.tiering is not None else (),
             free_blocks=blocks.num_free_blocks,
             total_blocks=blocks.num_blocks,
         )

@@ -122,6 +122,7 @@ class PrefillWorker(WorkerShell[Core]):
         m.running.set(stats.prefilling)
         m.waiting.set(stats.waiting)
         m.prefix_hit_rate.set(stats.prefix_hit_rate)
+        m.observe_tiers(stats.tiers)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id,
             role="prefill",

@@ -57,6 +57,14 @@ class Cluster:
         self.router = from_config(cfg, lambda: addresses)
         self.address = self.router.start()
 
+    def metric(self, name: str, tier: str) -> float:
+        """A tier metric summed over the workers, as their /metrics serve it after a load report."""
+        total = 0.0
+        for worker in self.workers.values():
+            worker.load()  # brings the worker's metrics up to its engine's counts
+            total += worker.telemetry.metrics.registry.get_sample_value(name, {"tier": tier}) or 0.0
+        return total
+
     def stop(self) -> None:
         self.router.stop()
         for worker in self.workers.values():
@@ -96,6 +104,13 @@ def test_turn_2_loads_what_the_pools_evicted_and_equals_a_fresh_prefill(redis_se
             fresh = client.generate(turn_2, cache_salt="nobody's cache", **seeded)  # computed whole
             assert loaded.cached_prompt_tokens > 0 and fresh.cached_prompt_tokens == 0
             assert loaded.token_ids == fresh.token_ids
+        assert (
+            cluster.metric("tandem_kv_tier_hit_blocks_total", "host")
+            + cluster.metric("tandem_kv_tier_hit_blocks_total", "shared")
+            >= 7
+        )
+        assert cluster.metric("tandem_kv_tier_written_blocks_total", "shared") > 0
+        assert cluster.metric("tandem_kv_tier_up", "shared") == 2  # on, on both workers
     finally:
         cluster.stop()
 
@@ -152,6 +167,7 @@ def test_redis_killed_mid_run_loses_no_request_and_its_tier_comes_back(tmp_path,
             server.stop()
             assert [f.result(60).token_ids for f in running] == expected, "a request was lost or changed"
             assert [ask(p).token_ids for p in prompts[:3]] == expected[:3], "serving without Redis failed"
+            assert cluster.metric("tandem_kv_tier_failures_total", "shared") >= 1
             server.start()
             time.sleep(0.6)  # past retry_after_s
             fresh = chat(40, 80)

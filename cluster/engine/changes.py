@@ -15,6 +15,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TierCounts:
+    """One KV tier's counts since the engine started (`cluster.kv.tiers.TierStats`, as published)."""
+
+    tier: str  # "host", "disk" or "shared"
+    hits: int  # blocks loaded from it
+    bytes_loaded: int
+    load_seconds: float
+    writes: int
+    rejected: int  # entries whose seal failed: misses
+    failures: int  # times the store failed and the tier went off
+    up: bool  # on now (not off after a failure)
+
+
+@dataclass(frozen=True)
 class Occupancy:
     """A decode engine's load at one moment."""
 
@@ -26,6 +40,7 @@ class Occupancy:
     preemptions: int = 0
     prefix_hits: int = 0
     prefix_queries: int = 0
+    tiers: tuple[TierCounts, ...] = ()  # the KV tiers', when `cache.tiers` names any
 
     @property
     def kv_usage(self) -> float:

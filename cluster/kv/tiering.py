@@ -31,6 +31,7 @@ import torch
 from cluster.config import CacheConfig, TiersConfig
 from cluster.engine.block_manager import BlockManager, Loaded
 from cluster.engine.block_names import chain, model_root, request_root
+from cluster.engine.changes import TierCounts
 from cluster.engine.kv_events import KVJournal
 from cluster.engine.request import Request, StepPlan
 from cluster.kv.stores import DiskStore, HostStore, RedisStore, Store
@@ -169,6 +170,9 @@ class Tiering:
             else:
                 self.passed_over[kind] += 1
         return kinds
+
+    def counts(self) -> tuple[TierCounts, ...]:
+        return self.tiers.counts()
 
     def wait(self, timeout_s: float) -> None:
         self._woken.wait(timeout_s)

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.changes import TierCounts
 from cluster.kv.stores import Store, StoreDown
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,17 @@ class Tiers:
         """The payloads (and the tier of each) of the longest leading run of `names` the tiers hold
         (only those of `kinds`, when given)."""
         return self._loader.submit(self._fetch, list(names), kinds)
+
+    def counts(self) -> tuple[TierCounts, ...]:
+        """Each tier's counts now, as engines publish them with their load."""
+        now = self.clock()
+        with self._lock:
+            return tuple(
+                TierCounts(
+                    kind, s.hits, s.bytes_loaded, s.load_seconds, s.writes, s.rejected, s.failures, s.off_until <= now
+                )
+                for kind, s in self.stats.items()
+            )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits until every block offered so far is written (tests, shutdown); False on timeout."""
