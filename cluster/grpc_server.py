@@ -127,6 +127,7 @@ def kv_events_message(batch: KVBatch) -> worker_pb2.KVEvents:
         removed=batch.removed,
         snapshot=batch.snapshot,
         root=batch.root,
+        tiers=[worker_pb2.TierBlocks(tier=t.tier, stored=t.stored, removed=t.removed) for t in batch.tiers],
     )
 
 

@@ -225,6 +225,7 @@ class DecodeWorker(WorkerShell[Core]):
             draining=self._draining,
             metrics_address=self.telemetry.metrics.address or "",
             wedged=self.watchdog.wedged,
+            tier_block_cost={c.tier: c.cost for c in o.tiers if c.cost is not None},
         )
 
     # -- internals ---------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class PrefillWorker(WorkerShell[Core]):
             draining=self._draining,
             metrics_address=self.telemetry.metrics.address or "",
             wedged=self.watchdog.wedged,
+            tier_block_cost={c.tier: c.cost for c in stats.tiers if c.cost is not None},
         )
 
     # -- internals ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class TierCounts:
     rejected: int  # entries whose seal failed: misses
     failures: int  # times the store failed and the tier went off
     up: bool  # on now (not off after a failure)
+    cost: float | None = None  # a block loaded from it costs this share of computing one (None: not measured)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The stores under a worker's paged KV pool, one per tier, each bounded, each a small contract:
 
     get_many(names) -> [bytes | None]   each entry's bytes (None where absent), most recent use noted
-    put(name, blob)                     keeps it, evicting the least recently used past the budget
+    put(name, blob) -> evicted          keeps it, evicting the least recently used past the budget;
+                                        the names it evicted
+    names()                             every entry held (a disk tier's, found at start)
     pin(names) / unpin(names)           entries being loaded: never evicted meanwhile
     holds(name) -> bool
 
@@ -30,8 +32,9 @@ class Store(Protocol):
     sealed: bool  # whether entries are kept sealed (checked on the way back)
 
     def get_many(self, names: Sequence[bytes]) -> list[bytes | None]: ...
-    def put(self, name: bytes, blob: bytes) -> None: ...
+    def put(self, name: bytes, blob: bytes) -> list[bytes]: ...
     def holds(self, name: bytes) -> bool: ...
+    def names(self) -> list[bytes]: ...
     def pin(self, names: Sequence[bytes]) -> None: ...
     def unpin(self, names: Sequence[bytes]) -> None: ...
 
@@ -53,6 +56,10 @@ class _Bounded:
     def holds(self, name: bytes) -> bool:
         with self.lock:
             return name in self._sizes
+
+    def names(self) -> list[bytes]:
+        with self.lock:
+            return list(self._sizes)
 
     def pin(self, names: Sequence[bytes]) -> None:
         with self.lock:
@@ -99,13 +106,15 @@ class HostStore(_Bounded):
         with self.lock:
             return [self._entries[n] if self._touch(n) else None for n in names]
 
-    def put(self, name: bytes, blob: bytes) -> None:
+    def put(self, name: bytes, blob: bytes) -> list[bytes]:
         with self.lock:
             if self._touch(name) or len(blob) > self.max_bytes:
-                return
+                return []
             self._entries[name] = blob
-            for old in self._add(name, len(blob)):
+            evicted = self._add(name, len(blob))
+            for old in evicted:
                 del self._entries[old]
+            return evicted
 
 
 class DiskStore(_Bounded):
@@ -145,10 +154,10 @@ class DiskStore(_Bounded):
                 raise StoreDown(f"reading {self._path(name)}: {e}") from e
         return blobs
 
-    def put(self, name: bytes, blob: bytes) -> None:
+    def put(self, name: bytes, blob: bytes) -> list[bytes]:
         with self.lock:
             if self._touch(name) or len(blob) > self.max_bytes:
-                return
+                return []
         path = self._path(name)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -162,6 +171,7 @@ class DiskStore(_Bounded):
             evicted = self._add(name, len(blob))
         for old in evicted:
             self._path(old).unlink(missing_ok=True)
+        return evicted
 
 
 class RedisStore:
@@ -199,9 +209,13 @@ class RedisStore:
             return []
         return list(self._call(lambda: self._client.mget([self.prefix + n for n in names])))
 
-    def put(self, name: bytes, blob: bytes) -> None:
+    def put(self, name: bytes, blob: bytes) -> list[bytes]:
         expiry = int(self.ttl_s * 1000) or None
         self._call(lambda: self._client.set(self.prefix + name, blob, px=expiry, nx=True))
+        return []  # Redis evicts by itself, untold
+
+    def names(self) -> list[bytes]:
+        return []  # not listed: every worker's, and Redis evicts untold
 
     def holds(self, name: bytes) -> bool:
         return bool(self._call(lambda: self._client.exists(self.prefix + name)))

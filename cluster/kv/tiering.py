@@ -21,6 +21,7 @@ still tried one load in `PROBE_EVERY`, so it is seen when it gets faster.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -98,9 +99,8 @@ class Tiering:
     def build(cls, config: TiersConfig, secret: str, blocks: BlockManager, runner: BlockCopier) -> Tiering | None:
         if not config.enabled:
             return None
-        tiers = Tiers(
-            open_stores(config, secret), secret.encode(), runner.kv_layout(), retry_after_s=config.retry_after_s
-        )
+        stores, layout = open_stores(config, secret), runner.kv_layout()
+        tiers = Tiers(stores, secret.encode(), layout, retry_after_s=config.retry_after_s, journal=blocks.journal)
         return cls(tiers, blocks, runner)
 
     @property
@@ -172,7 +172,12 @@ class Tiering:
         return kinds
 
     def counts(self) -> tuple[TierCounts, ...]:
-        return self.tiers.counts()
+        """Each tier's counts, with what a block loaded from it has cost against computing one."""
+        computing = None if self.prefill_rate is None else self.blocks.block_size / self.prefill_rate
+        return tuple(
+            dataclasses.replace(c, cost=c.load_seconds / c.hits / computing) if computing and c.hits else c
+            for c in self.tiers.counts()
+        )
 
     def wait(self, timeout_s: float) -> None:
         self._woken.wait(timeout_s)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.engine.changes import TierCounts
 from cluster.kv.stores import Store, StoreDown
@@ -63,6 +63,13 @@ def unseal(secret: bytes, name: bytes, layout: bytes, blob: bytes) -> bytes | No
     return bytes(payload)
 
 
+class TierJournal(Protocol):
+    """`cluster.engine.kv_events.KVJournal`'s tier events."""
+
+    def stored(self, name: bytes, tier: str) -> None: ...
+    def removed(self, name: bytes, tier: str) -> None: ...
+
+
 @dataclass
 class TierStats:
     """One tier's counts since start; `load_rate` (bytes/s) is what a load from it has cost."""
@@ -95,6 +102,7 @@ class Tiers:
         queue_blocks: int = 4096,
         retry_after_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        journal: TierJournal | None = None,
     ) -> None:
         kinds = [s.kind for s in stores]
         if len(set(kinds)) != len(kinds):
@@ -104,6 +112,10 @@ class Tiers:
         self.retry_after_s, self.clock = retry_after_s, clock
         self.stats = {s.kind: TierStats() for s in stores}
         self.dropped = 0  # offers refused because the writer was behind
+        self.journal = journal  # told of each block a tier stores and evicts (the KV events' tiers)
+        for store in stores if journal is not None else ():
+            for name in store.names():  # a restarted worker's disk tier
+                journal.stored(name, store.kind)
         self._writes: queue.Queue[tuple[bytes, bytes] | threading.Event] = queue.Queue(queue_blocks)
         self._lock = threading.Lock()  # guards the stats
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -172,7 +184,7 @@ class Tiers:
             for store in self._available():
                 if store.sealed and sealed is None:
                     sealed = seal(self.secret, name, self.layout, payload)
-                if self._guard(store, store.put, name, sealed if store.sealed else payload) is not _DOWN:
+                if self._put(store, name, sealed if store.sealed else payload):
                     with self._lock:
                         self.stats[store.kind].writes += 1
 
@@ -220,11 +232,22 @@ class Tiers:
                 break
             taken.append(payload)
             if host is not None:
-                host.put(name, payload)
+                self._put(host, name, payload)
         if taken:
             self._loaded(shared, taken, elapsed)
         run.payloads += taken
         run.sources += [shared.kind] * len(taken)
+
+    def _put(self, store: Store, name: bytes, blob: bytes) -> bool:
+        """Puts an entry in `store`, telling the journal what it now holds; False if it failed."""
+        evicted = self._guard(store, store.put, name, blob)
+        if evicted is _DOWN:
+            return False
+        if self.journal is not None:
+            self.journal.stored(name, store.kind)
+            for old in evicted:
+                self.journal.removed(old, store.kind)
+        return True
 
     def _open(self, store: Store, name: bytes, blob: bytes | None) -> bytes | None:
         if blob is None:

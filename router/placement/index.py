@@ -31,6 +31,9 @@ from tandem.v1 import worker_pb2
 from cluster.engine.block_names import chain
 from router.placement.placement import Choice, NoCapacity, NoneInView, Ring, best_holder, cheapest_decode
 from router.placement.prefix_index import PrefixIndex
+from router.placement.tier_index import SHARED
+
+UNMEASURED_TIER_WEIGHT = 0.5  # a tier block's worth against computing it, before the worker has measured
 
 
 class LoadIndex:
@@ -105,28 +108,30 @@ class LoadIndex:
     ) -> Choice:
         chains = self._chains(prompt, block_size, cache_salt)
         with self._lock:
-            matches = self._match(chains)
             now = self.clock()
             needed = -(-(len(prompt) + max_tokens) // block_size)
             decode = self._choose_decode(needed, now)
-            matches = {n: held for n, held in matches.items() if n in self._keys and not self._stale(n, now)}
-            if matches:
-                decode = cheapest_decode(decode, needed, len(prompt) // block_size, self._loads, matches)
-                held = matches.get(decode, 0)
-                if len(prompt) - held * block_size <= local_prefill_max_tokens:
-                    return Choice(decode, None, "local:cached-prefix" if held else "local:short-prompt", held)
+            pool = {n: held for n, held in self._match(chains).items() if n in self._keys and not self._stale(n, now)}
+            matches, shared_run = self._reach(chains, pool)  # with what each could load from the KV tiers
+            if matches or shared_run:
+                if matches:
+                    decode = cheapest_decode(decode, needed, len(prompt) // block_size, self._loads, matches)
+                held = pool.get(decode, 0)  # the KV a transfer need not ship: the decode worker's pool's
+                reach = matches.get(decode, shared_run * self._weight(decode, SHARED))
+                if len(prompt) - reach * block_size <= local_prefill_max_tokens:
+                    return Choice(decode, None, "local:cached-prefix" if reach else "local:short-prompt", held)
                 prefills = {n: self._loads[n] for n in matches if len(self._keys[n]) == 2}
                 holder = best_holder(prefills, matches)
                 if holder is not None and self._prefill:
                     shortest = self._prefill[0][1]
                     gap = self._loads[holder].queued_prompt_tokens - self._loads[shortest].queued_prompt_tokens
                     if gap <= queue_slack_tokens:
-                        return Choice(decode, holder, "remote:cached-prefix", matches[holder], held)
+                        return Choice(decode, holder, "remote:cached-prefix", round(matches[holder]), held)
                     if not self._stale(shortest, now):
-                        return Choice(decode, shortest, "remote:shortest-queue", matches.get(shortest, 0), held)
+                        return Choice(decode, shortest, "remote:shortest-queue", pool.get(shortest, 0), held)
             elif len(prompt) <= local_prefill_max_tokens:
                 return Choice(decode, None, "local:short-prompt")
-            kept = matches.get(decode, 0)
+            kept = pool.get(decode, 0)
             while self._prefill:
                 shortest = self._prefill[0][1]
                 if self._stale(shortest, now):
@@ -177,6 +182,27 @@ class LoadIndex:
         return [chain(prompt, block_size, root) for root in roots]
 
     # -- internals (under the lock) ----------------------------------------------------------------
+
+    def _reach(self, chains: list[list[bytes]], pool: dict[str, int]) -> tuple[dict[str, float], int]:
+        """Per placeable worker, its pool's leading blocks of the prompt plus those after them it could
+        load from the KV tiers, each weighted by what loading saves there; and the leading blocks the
+        shared tier holds, which any worker could load."""
+        reach: dict[str, float] = dict(pool)
+        shared_run = 0
+        for names in chains:
+            found, run = self.prefix.tiers.reach(names, pool, self._weight)  # type: ignore[union-attr]
+            for worker, value in found.items():
+                if worker in self._keys:
+                    reach[worker] = max(value, reach.get(worker, 0.0))
+            shared_run = max(shared_run, run)
+        return reach, shared_run
+
+    def _weight(self, worker: str, tier: str) -> float:
+        """What a block `worker` loads from `tier` saves against computing it: 1 - its measured cost
+        there, or `UNMEASURED_TIER_WEIGHT` before it has loaded any."""
+        load = self._loads.get(worker)
+        cost = load.tier_block_cost.get(tier) if load is not None else None
+        return UNMEASURED_TIER_WEIGHT if cost is None else max(0.0, 1.0 - cost)
 
     def _match(self, chains: list[list[bytes]]) -> dict[str, int]:
         """Per worker, the most leading blocks of the prompt it holds under any root."""

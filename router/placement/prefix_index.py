@@ -19,10 +19,11 @@ root; workers of one model share it, so a prompt is named once.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from cluster.engine.block_names import request_root
+from router.placement.tier_index import Tier, TierIndex
 
 
 class Batch(Protocol):
@@ -40,6 +41,8 @@ class Batch(Protocol):
     def snapshot(self) -> bool: ...
     @property
     def root(self) -> bytes: ...
+    @property
+    def tiers(self) -> Iterable[Tier]: ...
 
 
 class PrefixIndex:
@@ -52,6 +55,7 @@ class PrefixIndex:
         self._bit: dict[str, int] = {}  # worker -> its bit in the masks
         self._names: dict[int, str] = {}  # bit -> worker
         self._cursor: dict[str, int] = {}  # worker -> the last event applied
+        self.tiers = TierIndex(max_blocks)  # what the workers' KV tiers hold
 
     def __len__(self) -> int:
         """Distinct blocks held by any worker."""
@@ -69,6 +73,7 @@ class PrefixIndex:
                 self._remove(worker, name)
         for name in batch.stored:
             self._add(worker, name)
+        self.tiers.apply(worker, batch.tiers, batch.snapshot)
         self._cursor[worker] = batch.last
         return True
 
@@ -76,6 +81,7 @@ class PrefixIndex:
         bit = self._bit.pop(worker, None)
         self._cursor.pop(worker, None)
         self._roots.pop(worker, None)
+        self.tiers.drop(worker)
         if bit is None:
             return
         del self._names[bit]

@@ -103,7 +103,14 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged")
+    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged", "tier_block_cost")
+    class TierBlockCostEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +121,7 @@ class WorkerLoad(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEDGED_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCK_COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_seqs: int
@@ -124,7 +132,8 @@ class WorkerLoad(_message.Message):
     draining: bool
     metrics_address: str
     wedged: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ...) -> None: ...
+    tier_block_cost: _containers.ScalarMap[str, float]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ..., tier_block_cost: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("min_interval_seconds", "heartbeat_seconds", "kv_events")
@@ -147,20 +156,32 @@ class WorkerUpdate(_message.Message):
     def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., sequence: _Optional[int] = ..., kv: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("first", "last", "snapshot", "stored", "removed", "root")
+    __slots__ = ("first", "last", "snapshot", "stored", "removed", "root", "tiers")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     first: int
     last: int
     snapshot: bool
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     root: bytes
-    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., root: _Optional[bytes] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., root: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+
+class TierBlocks(_message.Message):
+    __slots__ = ("tier", "stored", "removed")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tier: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

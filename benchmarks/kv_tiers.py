@@ -1,0 +1,201 @@
+"""KV tiers under multi-turn chat whose conversations do not fit in the pools, side by side in one run:
+tiers off; host; host + disk; host + disk + shared (Redis); and the shared tier under random
+placement (a turn lands on a worker that may never have seen its chat).
+
+    .venv/bin/python benchmarks/kv_tiers.py [--quick] [--model PATH] [--dtype bfloat16]
+
+A real local cluster in this process (no Ray): one prefill and two decode workers over real gRPC,
+fresh for each row, with pools sized to hold about a quarter of the live histories; the workload of
+`benchmarks/multiturn.py` (conversations sharing a system prompt, each turn's reply becoming history).
+Per row: TTFT p50 and p99 on turns >= 2; prompt tokens computed against the ideal (an infinite cache
+on one worker); blocks and bytes loaded by tier; and what a block loaded from each tier cost as a
+share of computing it (each worker's own measure, `WorkerLoad.tier_block_cost`).
+
+Goals: TTFT p50 on turns >= 2 at least 3x better with every tier on than with tiers off; >= 90 % of
+the ideal hit rate with every tier on; under random placement with the shared tier, a turn computes
+<= 10 % of the prefix the tiers hold; no row slower than tiers off. Prints a table and writes
+`benchmarks/results/kv_tiers.{json,png}` (an `_avx2` suffix on an AVX2-only machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "proto"))
+
+from benchmarks.multiturn import BLOCK, DEMO, Workload, converse, ideal_hit_rate, percentile  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results"
+SECRET = "kv-tiers-benchmark"
+ROWS = {  # row -> (tiers, placement)
+    "off": ((), "kv"),
+    "host": (("host",), "kv"),
+    "host+disk": (("host", "disk"), "kv"),
+    "host+disk+shared": (("host", "disk", "shared"), "kv"),
+    "shared, random placement": (("host", "disk", "shared"), "random"),
+}
+
+
+def cluster_config(model: Path, dtype: str, tiers: tuple[str, ...], placement: str, blocks: int, tmp: Path, redis: str):
+    from cluster.config import parse_config
+
+    config: dict = {"write": "computed"}
+    if "host" in tiers:
+        config["host"] = {"gib": 2}
+    if "disk" in tiers:
+        config["disk"] = {"path": str(tmp), "gib": 8}
+    if "shared" in tiers:
+        config["shared"] = {"url": redis}
+    return parse_config(
+        {
+            "model": {"path": str(model), "dtype": dtype},
+            "cache": {"block_size": BLOCK, "num_blocks": blocks, "tiers": config},
+            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+            "transfer": {"transport": "grpc", "timeout_s": 120},
+            "router": {"local_prefill_max_tokens": 96, "prefix_routing": placement, "max_queued_requests": 512},
+            "auth": {"cluster_secret": SECRET},
+        }
+    )
+
+
+def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_url: str) -> dict:
+    from decode_worker import service as decode_service
+    from prefill_worker import service as prefill_service
+    from router.service.server import from_config
+
+    tiers, placement = ROWS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = cluster_config(model, dtype, tiers, placement, blocks, Path(tmp), redis_url)
+        workers = {f"decode-{i}": decode_service.from_config(cfg, f"decode-{i}") for i in range(2)}
+        workers["prefill-0"] = prefill_service.from_config(cfg, "prefill-0")
+        addresses = {n: worker.start() for n, worker in workers.items()}
+        router = from_config(cfg, lambda: addresses)
+        try:
+            target = router.start()
+            turns = asyncio.run(converse(target, w, seed=1))
+            loads = {n: worker.load() for n, worker in workers.items()}
+            tier_counts = tier_totals(workers)
+        finally:
+            router.stop()
+            for worker in workers.values():
+                worker.stop()
+    later = [x for x in turns if x.turn >= 1]
+    ttfts = [x.ttft * 1e3 for x in later]
+    prompt = sum(len(x.prompt) for x in turns)
+    computed = prompt - sum(x.cached for x in turns)
+    ideal = prompt * (1 - ideal_hit_rate(turns))
+    costs = {n: dict(load.tier_block_cost) for n, load in loads.items() if load.tier_block_cost}
+    return {
+        "row": name, "tiers": list(tiers), "placement": placement,
+        "ttft_p50_ms": statistics.median(ttfts), "ttft_p99_ms": percentile(ttfts, 99),
+        "prompt_tokens": prompt, "computed_tokens": computed, "ideal_computed_tokens": ideal,
+        "hit_rate": 1 - computed / prompt, "ideal_hit_rate": 1 - ideal / prompt,
+        "loaded": tier_counts, "block_cost": costs,
+    }  # fmt: skip
+
+
+def tier_totals(workers: dict) -> dict:  # type: ignore[type-arg]
+    """Blocks and bytes loaded from each tier, and the seconds it took, summed over the workers."""
+    totals: dict[str, dict[str, float]] = {}
+    for worker in workers.values():
+        registry = worker.telemetry.metrics.registry
+        for tier in ("host", "disk", "shared"):
+            row = totals.setdefault(tier, {"blocks": 0.0, "bytes": 0.0, "seconds": 0.0})
+            for key, metric in (("blocks", "hit_blocks"), ("bytes", "loaded_bytes"), ("seconds", "load_seconds")):
+                row[key] += registry.get_sample_value(f"tandem_kv_tier_{metric}_total", {"tier": tier}) or 0.0
+    return totals
+
+
+def goals(rows: dict[str, dict]) -> dict:
+    off, full, stranger = rows["off"], rows["host+disk+shared"], rows["shared, random placement"]
+    speedup = off["ttft_p50_ms"] / full["ttft_p50_ms"]
+    of_ideal = full["hit_rate"] / full["ideal_hit_rate"] if full["ideal_hit_rate"] else 0.0
+    held = stranger["prompt_tokens"] * stranger["ideal_hit_rate"]
+    recomputed = max(0.0, stranger["computed_tokens"] - stranger["ideal_computed_tokens"]) / held if held else 0.0
+    slowest = max(r["ttft_p50_ms"] / off["ttft_p50_ms"] for r in rows.values())
+    return {
+        "TTFT p50 turns >= 2, off / every tier": (round(speedup, 2), ">= 3", speedup >= 3),
+        "hit rate / ideal, every tier": (f"{of_ideal:.0%}", ">= 90%", of_ideal >= 0.9),
+        "cached prefix recomputed, random placement + shared": (f"{recomputed:.0%}", "<= 10%", recomputed <= 0.1),
+        "slowest row's TTFT p50 / off": (round(slowest, 2), "<= 1", slowest <= 1.0),
+    }
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    print(f"{'row':<26}{'TTFT p50':>10}{'p99':>9}{'hit':>7}{'ideal':>7}{'computed':>10}  loaded blocks (cost/compute)")
+    for r in rows.values():
+        loaded = ", ".join(f"{t} {int(v['blocks'])}" + cost_of(r, t) for t, v in r["loaded"].items() if v["blocks"])
+        print(f"{r['row']:<26}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>9.1f}{r['hit_rate']:>7.0%}"
+              f"{r['ideal_hit_rate']:>7.0%}{r['computed_tokens']:>10}  {loaded}")  # fmt: skip
+
+
+def cost_of(row: dict, tier: str) -> str:
+    costs = [c[tier] for c in row["block_cost"].values() if tier in c]
+    return f" ({statistics.median(costs):.2f})" if costs else ""
+
+
+def plot(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    names = list(rows)
+    axes[0].bar(names, [rows[n]["ttft_p50_ms"] for n in names])
+    axes[0].set(ylabel="TTFT p50, turns >= 2 (ms)", title="TTFT by tiers")
+    axes[1].bar(names, [rows[n]["computed_tokens"] for n in names], label="computed")
+    axes[1].plot(names, [rows[n]["ideal_computed_tokens"] for n in names], "k_", markersize=30, label="ideal")
+    axes[1].set(ylabel="prompt tokens computed", title="computed vs ideal")
+    axes[1].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    from cluster.cpu import cpu_kind  # the kind of CPU each figure comes from
+    from tests.redis_server import RedisServer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the demo model, 16 conversations of 4 turns")
+    parser.add_argument("--model", default=None, help="a model folder (default: the demo model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    model = DEMO if args.model is None else Path(args.model)
+    w = Workload(16, 4, 400, 48, 24, think_s=0.2) if args.quick else Workload(64, 6, 400, 48, 24, think_s=0.2)
+    live = w.conversations * (w.system_tokens + w.turns * (w.user_tokens + w.reply_tokens))
+    blocks = max(64, live // BLOCK // 4)  # about a quarter of the live histories
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp), password=SECRET, maxmemory="2gb").start()
+        try:
+            rows = {name: run_row(name, w, model, args.dtype, blocks, redis.url) for name in ROWS}
+        finally:
+            redis.stop()
+    kind = cpu_kind()
+    print(f"\nKV tiers, {model.name} {args.dtype}, {w.conversations} conversations x {w.turns} turns, "
+          f"{blocks} blocks a pool ({kind})")  # fmt: skip
+    print_table(rows)
+    results = {"workload": w.__dict__, "model": model.name, "blocks": blocks, "cpu": kind, "rows": rows}
+    results["goals"] = goals(rows)
+    print("\ngoals")
+    for name, (value, goal, met) in results["goals"].items():
+        print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
+    suffix = "" if "AVX-512" in kind else "_avx2"  # each kind of CPU its own
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"kv_tiers{suffix}.json").write_text(json.dumps(results, indent=2))
+    plot(rows, OUT / f"kv_tiers{suffix}.png")
+    print(f"\nwrote {OUT / f'kv_tiers{suffix}.json'} and {OUT / f'kv_tiers{suffix}.png'}")
+
+
+if __name__ == "__main__":
+    main()
