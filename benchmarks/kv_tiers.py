@@ -67,10 +67,13 @@ def cluster_config(model: Path, dtype: str, tiers: tuple[str, ...], placement: s
 
 
 def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_url: str) -> dict:
+    import redis
+
     from decode_worker import service as decode_service
     from prefill_worker import service as prefill_service
     from router.service.server import from_config
 
+    redis.Redis.from_url(redis_url, password=SECRET).flushall()  # every row starts with empty tiers
     tiers, placement = ROWS[name]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = cluster_config(model, dtype, tiers, placement, blocks, Path(tmp), redis_url)
