@@ -137,3 +137,16 @@ def test_a_tier_slower_than_computing_is_passed_over(model, tmp_path):
     assert turn() >= 36, "the first load (nothing measured yet) did not read the disk tier"
     assert tiered.tiering.prefill_rate is not None
     assert turn() == 0 and tiered.tiering.passed_over["disk"] >= 1, "a slower tier was still read"
+
+
+def test_a_salted_request_loads_nothing_another_salt_left_in_the_tiers(model):
+    tiered = engine(model, TiersConfig(host=HostTierConfig(gib=0.01), write="computed"))
+    history = prompt(9)
+    one(tiered, history, SamplingParams(max_tokens=2, temperature=0.0, cache_salt="tenant-a"))
+    assert tiered.tiering is not None and tiered.tiering.tiers.flush()
+    for seed in (2, 3, 4):  # the pool lets tenant a's blocks go; the host tier keeps them
+        one(tiered, prompt(seed))
+    salted = {salt: SamplingParams(max_tokens=2, temperature=0.0, cache_salt=salt) for salt in ("tenant-b", "tenant-a")}
+    assert one(tiered, [*history, 1], salted["tenant-b"])[1].num_cached_tokens == 0
+    assert one(tiered, [*history, 1])[1].num_cached_tokens == 0, "an unsalted request loaded a salted one's KV"
+    assert one(tiered, [*history, 1], salted["tenant-a"])[1].num_cached_tokens >= 36
