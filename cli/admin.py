@@ -90,6 +90,7 @@ def _status(args: argparse.Namespace) -> int:
             f"{w.name:<12}{role:<9}{w.address:<22}{health:<8}{load.running_seqs:>8}{load.waiting_seqs:>8}"
             f"{load.queued_prompt_tokens:>11}{kv:>14}  {load.metrics_address or '-'}"
         )
+    _print_tiers(status.workers)
     if status.decisions:
         print("placement: " + ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())))
     for pool in status.pools:
@@ -102,6 +103,19 @@ def _status(args: argparse.Namespace) -> int:
             f"(up {pool.scale_ups}, down {pool.scale_downs})"
         )
     return 0
+
+
+def _print_tiers(workers: Any) -> None:
+    """The KV tiers of the workers that have any: blocks loaded from each tier, and what a block
+    from it has cost against computing one ("-" before it has loaded any)."""
+    shown = []
+    for w in workers:
+        hits, costs = w.load.tier_hit_blocks, w.load.tier_block_cost
+        tiers = [f"{t} {hits[t]} ({costs[t]:.2f})" if t in costs else f"{t} {hits[t]} (-)" for t in sorted(hits)]
+        if tiers:
+            shown.append(f"{w.name} {', '.join(tiers)}")
+    if shown:
+        print("KV tiers, blocks loaded (cost against computing): " + "; ".join(shown))
 
 
 def _print_routers(routers: Any) -> None:

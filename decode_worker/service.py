@@ -226,6 +226,7 @@ class DecodeWorker(WorkerShell[Core]):
             metrics_address=self.telemetry.metrics.address or "",
             wedged=self.watchdog.wedged,
             tier_block_cost={c.tier: c.cost for c in o.tiers if c.cost is not None},
+            tier_hit_blocks={c.tier: c.hits for c in o.tiers},
         )
 
     # -- internals ---------------------------------------------------------------------------------

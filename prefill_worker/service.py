@@ -135,6 +135,7 @@ class PrefillWorker(WorkerShell[Core]):
             metrics_address=self.telemetry.metrics.address or "",
             wedged=self.watchdog.wedged,
             tier_block_cost={c.tier: c.cost for c in stats.tiers if c.cost is not None},
+            tier_hit_blocks={c.tier: c.hits for c in stats.tiers},
         )
 
     # -- internals ---------------------------------------------------------------------------------

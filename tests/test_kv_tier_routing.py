@@ -78,3 +78,19 @@ def test_the_shared_tier_makes_any_worker_a_local_prefill_for_a_long_prompt():
     without = index_with({}, {})
     without.update("prefill-0", worker_pb2.WorkerLoad(role="prefill", total_kv_blocks=100, free_kv_blocks=100))
     assert without.choose(PROMPT, 4, BS, 8).prefill == "prefill-0"
+
+
+def test_tandem_status_shows_each_workers_tier_hits_and_costs(capsys):
+    from cli.admin import _print_tiers
+
+    tiered = worker_pb2.WorkerLoad(tier_hit_blocks={"host": 70, "shared": 12}, tier_block_cost={"host": 0.004})
+    workers = [
+        worker_pb2.WorkerStatus(name="decode-0", load=tiered),
+        worker_pb2.WorkerStatus(name="decode-1", load=worker_pb2.WorkerLoad()),  # no tiers: not shown
+    ]
+    _print_tiers(workers)
+    assert capsys.readouterr().out == (
+        "KV tiers, blocks loaded (cost against computing): decode-0 host 70 (0.00), shared 12 (-)\n"
+    )
+    _print_tiers(workers[1:])
+    assert capsys.readouterr().out == ""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import api_pb2 as tandem_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\"\xb6\x01\n\x0bStepCommand\x12*\n\x06submit\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x30\n\x05trace\x18\x03 \x03(\x0b\x32!.tandem.v1.StepCommand.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\\\n\tStepFrame\x12\'\n\x06tokens\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerTokens\x12&\n\x05\x65nded\x18\x02 \x03(\x0b\x32\x17.tandem.v1.RequestEnded\"A\n\x0cRequestEnded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"\xe5\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rdecode_target\x18\x04 \x01(\t\x12\x12\n\ncapability\x18\x05 \x01(\x0c\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x18\n\x10output_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x08 \x01(\r\"\xd8\x02\n\x0cWorkerTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12\x1e\n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x0f.tandem.v1.Beam\x12\x30\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x10 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x11 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x41\x62ortResult\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xdc\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0crunning_seqs\x18\x03 \x01(\r\x12\x14\n\x0cwaiting_seqs\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x12\x0e\n\x06wedged\x18\n \x01(\x08\x12\x41\n\x0ftier_block_cost\x18\x0b \x03(\x0b\x32(.tandem.v1.WorkerLoad.TierBlockCostEntry\x1a\x34\n\x12TierBlockCostEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Z\n\x0cWatchRequest\x12\x1c\n\x14min_interval_seconds\x18\x01 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x11\n\tkv_events\x18\x03 \x01(\x08\"f\n\x0cWorkerUpdate\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x1f\n\x02kv\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVEvents\"\x9a\x01\n\x08KVEvents\x12\r\n\x05\x66irst\x18\x01 \x01(\x04\x12\x0c\n\x04last\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x12\x0e\n\x06stored\x18\x06 \x03(\x0c\x12\x0f\n\x07removed\x18\x07 \x03(\x0c\x12\x0c\n\x04root\x18\x08 \x01(\x0c\x12$\n\x05tiers\x18\t \x03(\x0b\x32\x15.tandem.v1.TierBlocksJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\";\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\x0e\n\x0c\x44rainRequest\"%\n\x0b\x44rainResult\x12\x16\n\x0eremaining_seqs\x18\x01 \x01(\r\"y\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\x08replicas\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07planned\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rclear_planned\x18\x04 \x01(\x08\x42\x0b\n\t_replicasB\n\n\x08_planned\"2\n\x0bScaleResult\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.tandem.v1.PoolStatus\"\xf7\x01\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\x0f\n\x07workers\x18\x03 \x03(\t\x12\x10\n\x08\x64raining\x18\x04 \x03(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\x08override\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0cmin_replicas\x18\x07 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x08 \x01(\r\x12\x11\n\tscale_ups\x18\t \x01(\x04\x12\x13\n\x0bscale_downs\x18\n \x01(\x04\x12\x14\n\x07planned\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_overrideB\n\n\x08_planned\"\x12\n\x10GetStatusRequest\"\xd3\x03\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x07workers\x18\x02 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12:\n\tdecisions\x18\x03 \x03(\x0b\x32\'.tandem.v1.ClusterStatus.DecisionsEntry\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x1b\n\x0eslo_attainment\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12$\n\x05pools\x18\x07 \x03(\x0b\x32\x15.tandem.v1.PoolStatus\x12\x1d\n\x10ttft_p90_seconds\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10tpot_p90_seconds\x18\t \x01(\x01H\x02\x88\x01\x01\x12(\n\x07routers\x18\n \x03(\x0b\x32\x17.tandem.v1.RouterStatus\x1a\x30\n\x0e\x44\x65\x63isionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x11\n\x0f_slo_attainmentB\x13\n\x11_ttft_p90_secondsB\x13\n\x11_tpot_p90_seconds\"\xfc\x02\n\x0cRouterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x39\n\tdecisions\x18\x05 \x03(\x0b\x32&.tandem.v1.RouterStatus.DecisionsEntry\x12\x1b\n\x0eslo_attainment\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10ttft_p90_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10tpot_p90_seconds\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x0b\x61ge_seconds\x18\t \x01(\x01\x1a\x30\n\x0e\x44\x65\x63isionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x11\n\x0f_slo_attainmentB\x13\n\x11_ttft_p90_secondsB\x13\n\x11_tpot_p90_seconds\"c\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12#\n\x04load\x18\x04 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad2\xf0\x02\n\x06Worker\x12=\n\x06Submit\x12\x18.tandem.v1.WorkerRequest\x1a\x17.tandem.v1.WorkerTokens0\x01\x12\x38\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x16.tandem.v1.AbortResult\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12;\n\x05Watch\x12\x17.tandem.v1.WatchRequest\x1a\x17.tandem.v1.WorkerUpdate0\x01\x12\x38\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x16.tandem.v1.DrainResult\x12\x39\n\x05Steps\x12\x16.tandem.v1.StepCommand\x1a\x14.tandem.v1.StepFrame(\x01\x30\x01\x32\x85\x01\n\x05\x41\x64min\x12\x42\n\tGetStatus\x12\x1b.tandem.v1.GetStatusRequest\x1a\x18.tandem.v1.ClusterStatus\x12\x38\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x16.tandem.v1.ScaleResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\"\xb6\x01\n\x0bStepCommand\x12*\n\x06submit\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x30\n\x05trace\x18\x03 \x03(\x0b\x32!.tandem.v1.StepCommand.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07\x63ommand\"\\\n\tStepFrame\x12\'\n\x06tokens\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerTokens\x12&\n\x05\x65nded\x18\x02 \x03(\x0b\x32\x17.tandem.v1.RequestEnded\"A\n\x0cRequestEnded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"\xe5\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rdecode_target\x18\x04 \x01(\t\x12\x12\n\ncapability\x18\x05 \x01(\x0c\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\x12\x18\n\x10output_token_ids\x18\x07 \x03(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x08 \x01(\r\"\xd8\x02\n\x0cWorkerTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.SpeculationStats\x12\x1e\n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x0f.tandem.v1.Beam\x12\x30\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x10 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x11 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x41\x62ortResult\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xd5\x03\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0crunning_seqs\x18\x03 \x01(\r\x12\x14\n\x0cwaiting_seqs\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x66ree_kv_blocks\x18\x06 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x12\x0e\n\x06wedged\x18\n \x01(\x08\x12\x41\n\x0ftier_block_cost\x18\x0b \x03(\x0b\x32(.tandem.v1.WorkerLoad.TierBlockCostEntry\x12\x41\n\x0ftier_hit_blocks\x18\x0c \x03(\x0b\x32(.tandem.v1.WorkerLoad.TierHitBlocksEntry\x1a\x34\n\x12TierBlockCostEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x34\n\x12TierHitBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"Z\n\x0cWatchRequest\x12\x1c\n\x14min_interval_seconds\x18\x01 \x01(\x01\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x11\n\tkv_events\x18\x03 \x01(\x08\"f\n\x0cWorkerUpdate\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x1f\n\x02kv\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVEvents\"\x9a\x01\n\x08KVEvents\x12\r\n\x05\x66irst\x18\x01 \x01(\x04\x12\x0c\n\x04last\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x12\x0e\n\x06stored\x18\x06 \x03(\x0c\x12\x0f\n\x07removed\x18\x07 \x03(\x0c\x12\x0c\n\x04root\x18\x08 \x01(\x0c\x12$\n\x05tiers\x18\t \x03(\x0b\x32\x15.tandem.v1.TierBlocksJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\";\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\"\x0e\n\x0c\x44rainRequest\"%\n\x0b\x44rainResult\x12\x16\n\x0eremaining_seqs\x18\x01 \x01(\r\"y\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\x08replicas\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07planned\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rclear_planned\x18\x04 \x01(\x08\x42\x0b\n\t_replicasB\n\n\x08_planned\"2\n\x0bScaleResult\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.tandem.v1.PoolStatus\"\xf7\x01\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\x0f\n\x07workers\x18\x03 \x03(\t\x12\x10\n\x08\x64raining\x18\x04 \x03(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\x08override\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0cmin_replicas\x18\x07 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x08 \x01(\r\x12\x11\n\tscale_ups\x18\t \x01(\x04\x12\x13\n\x0bscale_downs\x18\n \x01(\x04\x12\x14\n\x07planned\x18\x0b \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_overrideB\n\n\x08_planned\"\x12\n\x10GetStatusRequest\"\xd3\x03\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x07workers\x18\x02 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12:\n\tdecisions\x18\x03 \x03(\x0b\x32\'.tandem.v1.ClusterStatus.DecisionsEntry\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x1b\n\x0eslo_attainment\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12$\n\x05pools\x18\x07 \x03(\x0b\x32\x15.tandem.v1.PoolStatus\x12\x1d\n\x10ttft_p90_seconds\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10tpot_p90_seconds\x18\t \x01(\x01H\x02\x88\x01\x01\x12(\n\x07routers\x18\n \x03(\x0b\x32\x17.tandem.v1.RouterStatus\x1a\x30\n\x0e\x44\x65\x63isionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x11\n\x0f_slo_attainmentB\x13\n\x11_ttft_p90_secondsB\x13\n\x11_tpot_p90_seconds\"\xfc\x02\n\x0cRouterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x39\n\tdecisions\x18\x05 \x03(\x0b\x32&.tandem.v1.RouterStatus.DecisionsEntry\x12\x1b\n\x0eslo_attainment\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10ttft_p90_seconds\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10tpot_p90_seconds\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x0b\x61ge_seconds\x18\t \x01(\x01\x1a\x30\n\x0e\x44\x65\x63isionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x11\n\x0f_slo_attainmentB\x13\n\x11_ttft_p90_secondsB\x13\n\x11_tpot_p90_seconds\"c\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12#\n\x04load\x18\x04 \x01(\x0b\x32\x15.tandem.v1.WorkerLoad2\xf0\x02\n\x06Worker\x12=\n\x06Submit\x12\x18.tandem.v1.WorkerRequest\x1a\x17.tandem.v1.WorkerTokens0\x01\x12\x38\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x16.tandem.v1.AbortResult\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.WorkerLoad\x12;\n\x05Watch\x12\x17.tandem.v1.WatchRequest\x1a\x17.tandem.v1.WorkerUpdate0\x01\x12\x38\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x16.tandem.v1.DrainResult\x12\x39\n\x05Steps\x12\x16.tandem.v1.StepCommand\x1a\x14.tandem.v1.StepFrame(\x01\x30\x01\x32\x85\x01\n\x05\x41\x64min\x12\x42\n\tGetStatus\x12\x1b.tandem.v1.GetStatusRequest\x1a\x18.tandem.v1.ClusterStatus\x12\x38\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x16.tandem.v1.ScaleResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPCOMMAND_TRACEENTRY']._serialized_options = b'8\001'
   _globals['_WORKERLOAD_TIERBLOCKCOSTENTRY']._loaded_options = None
   _globals['_WORKERLOAD_TIERBLOCKCOSTENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERLOAD_TIERHITBLOCKSENTRY']._loaded_options = None
+  _globals['_WORKERLOAD_TIERHITBLOCKSENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSTATUS_DECISIONSENTRY']._loaded_options = None
   _globals['_CLUSTERSTATUS_DECISIONSENTRY']._serialized_options = b'8\001'
   _globals['_ROUTERSTATUS_DECISIONSENTRY']._loaded_options = None
@@ -59,41 +61,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=1049
   _globals['_GETLOADREQUEST']._serialized_end=1065
   _globals['_WORKERLOAD']._serialized_start=1068
-  _globals['_WORKERLOAD']._serialized_end=1416
-  _globals['_WORKERLOAD_TIERBLOCKCOSTENTRY']._serialized_start=1364
-  _globals['_WORKERLOAD_TIERBLOCKCOSTENTRY']._serialized_end=1416
-  _globals['_WATCHREQUEST']._serialized_start=1418
-  _globals['_WATCHREQUEST']._serialized_end=1508
-  _globals['_WORKERUPDATE']._serialized_start=1510
-  _globals['_WORKERUPDATE']._serialized_end=1612
-  _globals['_KVEVENTS']._serialized_start=1615
-  _globals['_KVEVENTS']._serialized_end=1769
-  _globals['_TIERBLOCKS']._serialized_start=1771
-  _globals['_TIERBLOCKS']._serialized_end=1830
-  _globals['_DRAINREQUEST']._serialized_start=1832
-  _globals['_DRAINREQUEST']._serialized_end=1846
-  _globals['_DRAINRESULT']._serialized_start=1848
-  _globals['_DRAINRESULT']._serialized_end=1885
-  _globals['_SCALEREQUEST']._serialized_start=1887
-  _globals['_SCALEREQUEST']._serialized_end=2008
-  _globals['_SCALERESULT']._serialized_start=2010
-  _globals['_SCALERESULT']._serialized_end=2060
-  _globals['_POOLSTATUS']._serialized_start=2063
-  _globals['_POOLSTATUS']._serialized_end=2310
-  _globals['_GETSTATUSREQUEST']._serialized_start=2312
-  _globals['_GETSTATUSREQUEST']._serialized_end=2330
-  _globals['_CLUSTERSTATUS']._serialized_start=2333
-  _globals['_CLUSTERSTATUS']._serialized_end=2800
-  _globals['_CLUSTERSTATUS_DECISIONSENTRY']._serialized_start=2691
-  _globals['_CLUSTERSTATUS_DECISIONSENTRY']._serialized_end=2739
-  _globals['_ROUTERSTATUS']._serialized_start=2803
-  _globals['_ROUTERSTATUS']._serialized_end=3183
-  _globals['_ROUTERSTATUS_DECISIONSENTRY']._serialized_start=2691
-  _globals['_ROUTERSTATUS_DECISIONSENTRY']._serialized_end=2739
-  _globals['_WORKERSTATUS']._serialized_start=3185
-  _globals['_WORKERSTATUS']._serialized_end=3284
-  _globals['_WORKER']._serialized_start=3287
-  _globals['_WORKER']._serialized_end=3655
-  _globals['_ADMIN']._serialized_start=3658
-  _globals['_ADMIN']._serialized_end=3791
+  _globals['_WORKERLOAD']._serialized_end=1537
+  _globals['_WORKERLOAD_TIERBLOCKCOSTENTRY']._serialized_start=1431
+  _globals['_WORKERLOAD_TIERBLOCKCOSTENTRY']._serialized_end=1483
+  _globals['_WORKERLOAD_TIERHITBLOCKSENTRY']._serialized_start=1485
+  _globals['_WORKERLOAD_TIERHITBLOCKSENTRY']._serialized_end=1537
+  _globals['_WATCHREQUEST']._serialized_start=1539
+  _globals['_WATCHREQUEST']._serialized_end=1629
+  _globals['_WORKERUPDATE']._serialized_start=1631
+  _globals['_WORKERUPDATE']._serialized_end=1733
+  _globals['_KVEVENTS']._serialized_start=1736
+  _globals['_KVEVENTS']._serialized_end=1890
+  _globals['_TIERBLOCKS']._serialized_start=1892
+  _globals['_TIERBLOCKS']._serialized_end=1951
+  _globals['_DRAINREQUEST']._serialized_start=1953
+  _globals['_DRAINREQUEST']._serialized_end=1967
+  _globals['_DRAINRESULT']._serialized_start=1969
+  _globals['_DRAINRESULT']._serialized_end=2006
+  _globals['_SCALEREQUEST']._serialized_start=2008
+  _globals['_SCALEREQUEST']._serialized_end=2129
+  _globals['_SCALERESULT']._serialized_start=2131
+  _globals['_SCALERESULT']._serialized_end=2181
+  _globals['_POOLSTATUS']._serialized_start=2184
+  _globals['_POOLSTATUS']._serialized_end=2431
+  _globals['_GETSTATUSREQUEST']._serialized_start=2433
+  _globals['_GETSTATUSREQUEST']._serialized_end=2451
+  _globals['_CLUSTERSTATUS']._serialized_start=2454
+  _globals['_CLUSTERSTATUS']._serialized_end=2921
+  _globals['_CLUSTERSTATUS_DECISIONSENTRY']._serialized_start=2812
+  _globals['_CLUSTERSTATUS_DECISIONSENTRY']._serialized_end=2860
+  _globals['_ROUTERSTATUS']._serialized_start=2924
+  _globals['_ROUTERSTATUS']._serialized_end=3304
+  _globals['_ROUTERSTATUS_DECISIONSENTRY']._serialized_start=2812
+  _globals['_ROUTERSTATUS_DECISIONSENTRY']._serialized_end=2860
+  _globals['_WORKERSTATUS']._serialized_start=3306
+  _globals['_WORKERSTATUS']._serialized_end=3405
+  _globals['_WORKER']._serialized_start=3408
+  _globals['_WORKER']._serialized_end=3776
+  _globals['_ADMIN']._serialized_start=3779
+  _globals['_ADMIN']._serialized_end=3912
 # @@protoc_insertion_point(module_scope)

@@ -103,7 +103,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged", "tier_block_cost")
+    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged", "tier_block_cost", "tier_hit_blocks")
     class TierBlockCostEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,13 @@ class WorkerLoad(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TierHitBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +129,7 @@ class WorkerLoad(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEDGED_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCK_COST_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_seqs: int
@@ -133,7 +141,8 @@ class WorkerLoad(_message.Message):
     metrics_address: str
     wedged: bool
     tier_block_cost: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ..., tier_block_cost: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    tier_hit_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ..., tier_block_cost: _Optional[_Mapping[str, float]] = ..., tier_hit_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("min_interval_seconds", "heartbeat_seconds", "kv_events")
