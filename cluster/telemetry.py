@@ -12,6 +12,7 @@ names are DESIGN.md's; latencies are in seconds.
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,12 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 REQUEST_STATUSES = ("ok", "cancelled", "rejected", "invalid", "error")  # tandem_requests{status}
 PREFILL_MODES = ("remote", "local", "none")  # tandem_requests{prefill_mode}
 _BYTES = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
+
+
+def loaded_attributes(tiers: Sequence[str]) -> dict[str, int]:
+    """A span's attributes for the prompt blocks a request loaded from the KV tiers: how many from
+    each tier (`tandem.kv.loaded_blocks.host`, ...)."""
+    return {f"tandem__kv__loaded_blocks__{tier}": n for tier, n in collections.Counter(tiers).items()}
 
 
 class Metrics:

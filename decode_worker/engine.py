@@ -325,6 +325,7 @@ class Engine:
             num_passes=request.num_passes,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            loaded_from=request.loaded_from if request.finished else (),
         )
         return self._with_text(request, out)
 

@@ -147,6 +147,7 @@ class Scheduler:
                 break
             salt, loaded, request.loaded = request.params.cache_salt, request.loaded, None
             cached = self.blocks.allocate(request.request_id, tokens, request.reuses_cache, salt, loaded)
+            request.loaded_from = request.loaded_from or self.blocks.last_filled  # its first admission's
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached

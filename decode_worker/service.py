@@ -35,7 +35,7 @@ from cluster.config import AuthConfig, ClusterConfig
 from cluster.grpc_server import Refused, admit_submit, check_submit
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
-from cluster.telemetry import Telemetry, extract
+from cluster.telemetry import Telemetry, extract, loaded_attributes
 from cluster.worker_shell import WorkerShell
 from decode_worker.core import ProcessCore, ThreadCore
 from decode_worker.engine_loop import Frame, build_engine
@@ -262,7 +262,7 @@ class DecodeWorker(WorkerShell[Core]):
         t.record(
             "decode", parent, start, time.time(), tandem__worker=self.worker_id,
             gen_ai__usage__output_tokens=out.num_output_tokens, gen_ai__response__finish_reasons=[out.finish_reason],
-            tandem__prefill_mode="remote" if remote else "local", **spec,
+            tandem__prefill_mode="remote" if remote else "local", **spec, **loaded_attributes(out.loaded_from),
         )  # fmt: skip
 
     def _busy(self) -> bool:

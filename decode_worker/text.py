@@ -50,9 +50,10 @@ class RequestOutput:
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_tokens: int = 0  # and kept
     beams: Sequence[BeamOutput] = ()  # beam search: every beam, best first, at the end
+    loaded_from: tuple[str, ...] = ()  # on the last output: the tier of each prompt block loaded from the KV tiers
 
 
-_RARE = ("text", "logprobs", "prompt_logprobs", "beams")  # empty in most outputs of a served core
+_RARE = ("text", "logprobs", "prompt_logprobs", "beams", "loaded_from")  # empty in most outputs of a served core
 
 
 def pack_outputs(outputs: Sequence[RequestOutput]) -> tuple:
@@ -70,7 +71,7 @@ def pack_outputs(outputs: Sequence[RequestOutput]) -> tuple:
     rare = {
         i: {name: getattr(o, name) for name in _RARE if getattr(o, name)}
         for i, o in enumerate(outputs)
-        if o.text or o.logprobs or o.prompt_logprobs or o.beams
+        if o.text or o.logprobs or o.prompt_logprobs or o.beams or o.loaded_from
     }
     return ids, tokens, counts, ends, rare
 

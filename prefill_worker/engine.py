@@ -44,9 +44,10 @@ class PrefillOutput:
     logprob: float | None
     top_logprobs: list[tuple[int, float]]
     num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_cached_tokens: int  # prompt tokens served by the prefix cache (its tiers' included)
     transfer: SendStream
     prompt_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # when asked for
+    loaded_from: tuple[str, ...] = ()  # the tier of each prompt block loaded from the KV tiers
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class PrefillEngine:
                 PrefillOutput(
                     request.request_id, result.token_ids[i], logprob, top,
                     request.num_prompt_tokens, request.num_cached_tokens, job.stream,
-                    request.take_prompt_logprobs(),
+                    request.take_prompt_logprobs(), request.loaded_from,
                 )
             )  # fmt: skip
         if tiering is not None:

@@ -65,6 +65,7 @@ class PrefillScheduler:
                 break
             salt, loaded, request.loaded = request.params.cache_salt, request.loaded, None
             cached = self.blocks.allocate(request.request_id, request.all_token_ids, request.reuses_cache, salt, loaded)
+            request.loaded_from = self.blocks.last_filled
             request.num_computed_tokens = request.num_cached_tokens = cached
             self.cached_tokens += cached
             request.status = Status.RUNNING

@@ -31,7 +31,7 @@ from cluster.engine.request import logprob_entries
 from cluster.grpc_server import admit_submit
 from cluster.kv.transport import TransferState
 from cluster.kv.wire import TransferError
-from cluster.telemetry import Telemetry, extract
+from cluster.telemetry import Telemetry, extract, loaded_attributes
 from cluster.worker_shell import WorkerShell
 from prefill_worker.core import Frame, ProcessCore, ThreadCore, build_engine, senders_for
 from prefill_worker.engine import PrefillOutput
@@ -148,6 +148,7 @@ class PrefillWorker(WorkerShell[Core]):
         t.record(
             "prefill.compute", parent, start, end, tandem__worker=self.worker_id,
             gen_ai__usage__input_tokens=out.num_prompt_tokens, tandem__cached_tokens=out.num_cached_tokens,
+            **loaded_attributes(out.loaded_from),
         )  # fmt: skip
         error = stream.error
         t.record(

@@ -7,6 +7,7 @@ killed mid-run loses no request, and its tier comes back with it."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ SECRET = "tiers-cluster-secret"
 pytestmark = [pytest.mark.slow, needs_redis]
 
 
-def config(redis_url: str, disk: Path | None = None, num_blocks: int = 24):  # type: ignore[no-untyped-def]
+def config(redis_url: str, disk: Path | None = None, num_blocks: int = 24, spans: Path | None = None):  # type: ignore[no-untyped-def]
     tiers: dict = {"host": {"gib": 0.05}, "shared": {"url": redis_url, "timeout_s": 0.3}, "write": "computed"}
     tiers["retry_after_s"] = 0.5
     if disk is not None:
@@ -41,6 +42,7 @@ def config(redis_url: str, disk: Path | None = None, num_blocks: int = 24):  # t
             "transfer": {"transport": "grpc", "timeout_s": 20},
             "router": {"local_prefill_max_tokens": 32},
             "auth": {"cluster_secret": SECRET},
+            "telemetry": {"exporter": "console", "console_dir": str(spans)} if spans else {},
         }
     )
 
@@ -87,8 +89,8 @@ def chat(seed: int, n: int = 120) -> list[int]:
     return [(seed * 53 + 11 * i) % 1900 + 5 for i in range(n)]
 
 
-def test_turn_2_loads_what_the_pools_evicted_and_equals_a_fresh_prefill(redis_server, model):
-    cluster = Cluster(config(redis_server.url))
+def test_turn_2_loads_what_the_pools_evicted_and_equals_a_fresh_prefill(redis_server, model, tmp_path):
+    cluster = Cluster(config(redis_server.url, spans=tmp_path / "spans"))
     try:
         with Client(cluster.address, timeout=60) as client:
             history = chat(1)
@@ -113,6 +115,13 @@ def test_turn_2_loads_what_the_pools_evicted_and_equals_a_fresh_prefill(redis_se
         assert cluster.metric("tandem_kv_tier_up", "shared") == 2  # on, on both workers
     finally:
         cluster.stop()
+    spans = [json.loads(line) for f in (tmp_path / "spans").glob("*.jsonl") for line in f.read_text().splitlines()]
+    per_span = [
+        sum(n for key, n in s["attributes"].items() if key.startswith("tandem.kv.loaded_blocks."))
+        for s in spans
+        if s["name"] in ("prefill.compute", "decode")
+    ]
+    assert max(per_span) >= 7, "no span says what its request loaded from the tiers"
 
 
 def test_a_worker_that_never_saw_a_prompt_loads_its_prefix_from_the_shared_tier(redis_server, model):

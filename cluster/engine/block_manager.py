@@ -56,6 +56,7 @@ class Loaded:
 
     first: int
     payloads: list[bytes]
+    sources: tuple[str, ...] = ()  # the tier each payload came from
 
 
 class NoFreeBlocks(RuntimeError):
@@ -90,6 +91,7 @@ class BlockManager:
         self.root = root  # the model's root name (`block_names.model_root`)
         self.spill = spill  # when blocks go down to the KV tiers; None: no tiers
         self.tier_hits = 0  # blocks filled from the tiers
+        self.last_filled: tuple[str, ...] = ()  # the tier of each block the last `allocate` filled
         self._spills: list[tuple[int, bytes]] = []  # (block id, name) whose KV goes to the tiers
         self._fills: list[tuple[int, bytes]] = []  # (block id, KV bytes) loaded from the tiers
         self._blocks = [_Block(i) for i in range(num_blocks)]
@@ -166,6 +168,7 @@ class BlockManager:
         except NoFreeBlocks:
             self.free(seq)
             raise
+        self.last_filled = ()
         filled = self._fill(seq, tokens, loaded, len(hits)) if reuse and loaded is not None else 0
         return (len(hits) + filled) * self.block_size
 
@@ -262,6 +265,7 @@ class BlockManager:
         self._fills += [(table[hits + i], payload) for i, payload in enumerate(payloads)]
         self.mark_computed(seq, tokens[: (hits + len(payloads)) * self.block_size], spill=False)
         self.tier_hits += len(payloads)
+        self.last_filled = loaded.sources[hits - loaded.first :][: len(payloads)]
         return len(payloads)
 
     def _shared_at(self, seq: Hashable, position: int | None) -> int:

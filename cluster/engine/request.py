@@ -243,6 +243,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_logprobs: int = 0  # entries computed so far (those handed out included)
     loaded: Loaded | None = None  # KV of its prompt's blocks read from the tiers, used at admission
+    loaded_from: tuple[str, ...] = ()  # the tier of each prompt block it took from them
 
     def take_prompt_logprobs(self) -> list[tuple[int, TokenLogprob]]:
         """The prompt logprobs scored and not taken yet, as (prompt token, its entry); the output

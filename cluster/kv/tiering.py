@@ -129,7 +129,7 @@ class Tiering:
             del self._parked[request_id]
             run = None if load.cancelled() or load.exception() is not None else load.result()
             if run is not None and run.payloads:
-                request.loaded = Loaded(first, run.payloads)
+                request.loaded = Loaded(first, run.payloads, tuple(run.sources))
             done.append(request)
         return done
 
