@@ -103,6 +103,9 @@ class SharedTierConfig(_Part):
     )
     timeout_s: float = Field(default=0.5, gt=0, description="A Redis call slower than this is a failure.")
     ttl_s: float = Field(default=0, ge=0, description="Entries expire after this long; 0 keeps them until evicted.")
+    tls_ca: Path | None = Field(
+        default=None, description="With rediss://: the CA bundle that signs Redis's certificate; unset: the system's."
+    )
 
 
 class TiersConfig(_Part):

@@ -18,24 +18,34 @@ needs_redis = pytest.mark.skipif(REDIS is None, reason="no redis-server binary (
 
 
 class RedisServer:
-    def __init__(self, directory: Path, password: str = "test-secret", maxmemory: str = "64mb") -> None:
-        self.directory, self.password, self.maxmemory = directory, password, maxmemory
+    def __init__(
+        self, directory: Path, password: str = "test-secret", maxmemory: str = "64mb", tls: dict | None = None
+    ) -> None:
+        """`tls`: {"ca", "cert", "key"} (`cluster.tls.generate_dev_certs`) serves TLS only."""
+        self.directory, self.password, self.maxmemory, self.tls = directory, password, maxmemory, tls
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         assert REDIS is not None
-        args = [REDIS, "--bind", "127.0.0.1", "--port", str(self.port), "--requirepass", self.password]
+        args = [REDIS, "--bind", "127.0.0.1", "--requirepass", self.password]
+        if self.tls:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", str(self.tls["cert"]), "--tls-key-file", str(self.tls["key"])]
+            args += ["--tls-ca-cert-file", str(self.tls["ca"])]
+        else:
+            args += ["--port", str(self.port)]
         args += ["--save", "", "--appendonly", "no", "--dir", str(self.directory)]
         args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        tls = {"ssl_ca_certs": str(self.tls["ca"])} if self.tls else {}
+        client = redis.Redis.from_url(self.url, password=self.password, socket_timeout=1, **tls)
         deadline = time.monotonic() + 10
         while True:
             try:

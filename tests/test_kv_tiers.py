@@ -190,3 +190,27 @@ def test_a_tier_is_read_only_while_its_block_costs_less_than_computing_one_save_
     assert all("host" in p for p in picks)
     assert sum("disk" in p for p in picks) == 1 and tiering.passed_over["disk"] == PROBE_EVERY - 1
     tiers.close()
+
+
+@needs_redis
+def test_the_shared_tier_speaks_tls_to_a_redis_that_serves_only_tls(tmp_path):
+    from cluster.tls import generate_dev_certs
+
+    certs = generate_dev_certs(tmp_path / "certs", 1)
+    server = RedisServer(tmp_path, tls=certs)
+    try:
+        server.start()
+    except RuntimeError:
+        pytest.skip("this redis-server does not serve TLS (built without it)")
+    try:
+        writer = Tiers([RedisStore(server.url, server.password, tls_ca=certs["ca"])], SECRET, LAYOUT)
+        writer.offer(NAMES[0], payload(0))
+        assert writer.flush() and writer.stats["shared"].failures == 0
+        reader = Tiers([RedisStore(server.url, server.password, tls_ca=certs["ca"])], SECRET, LAYOUT)
+        assert reader.fetch(NAMES[:1]).result(10).payloads == [payload(0)]
+        plain = Tiers([RedisStore(server.url.replace("rediss", "redis"), server.password, 0.3)], SECRET, LAYOUT)
+        assert plain.fetch(NAMES[:1]).result(10).payloads == [] and plain.stats["shared"].failures == 1
+        for t in (writer, reader, plain):
+            t.close()
+    finally:
+        server.stop()

@@ -188,13 +188,15 @@ class RedisStore:
         password: str | None = None,
         timeout_s: float = 0.5,
         ttl_s: float = 0,
+        tls_ca: str | os.PathLike[str] | None = None,
         prefix: bytes = b"tandem:kv:",
     ) -> None:
         import redis  # only a worker with the shared tier needs it
 
         self._redis = redis
+        tls = {"ssl_ca_certs": str(tls_ca)} if tls_ca is not None else {}
         self._client = redis.Redis.from_url(
-            url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls
         )
         self.prefix, self.ttl_s = prefix, ttl_s
 

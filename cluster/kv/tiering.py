@@ -81,7 +81,7 @@ def open_stores(config: TiersConfig, secret: str) -> list[Store]:
         stores.append(DiskStore(config.disk.path, int(config.disk.gib * GIB)))
     if config.shared is not None:
         s = config.shared
-        stores.append(RedisStore(s.url, password=secret or None, timeout_s=s.timeout_s, ttl_s=s.ttl_s))
+        stores.append(RedisStore(s.url, secret or None, s.timeout_s, s.ttl_s, s.tls_ca))
     return stores
 
 
