@@ -88,6 +88,12 @@ class ModelConfig(_Part):
 
 class HostTierConfig(_Part):
     gib: float = Field(gt=0, description="Host memory for KV blocks beyond the pool, in GiB.")
+    int8: bool = Field(
+        default=False,
+        description="Keep blocks as int8 with a float32 scale per (token, head) row: about half the bytes of "
+        "bfloat16, a quarter of float32, so more fit; what loads back is that close, not equal (a pool with "
+        "cache.kv_dtype int8 is int8 already).",
+    )
 
 
 class DiskTierConfig(_Part):

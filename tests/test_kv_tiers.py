@@ -214,3 +214,18 @@ def test_the_shared_tier_speaks_tls_to_a_redis_that_serves_only_tls(tmp_path):
             t.close()
     finally:
         server.stop()
+
+
+def test_the_int8_host_form_keeps_each_row_within_half_its_scale():
+    import torch
+
+    from cluster.kv.tiering import Int8Rows
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(2, 3, 4, 2, 16) * torch.rand(2, 3, 4, 2, 1) * 10).to(dtype)  # rows of unlike sizes
+        codec = Int8Rows(dtype, 16)
+        blob = codec.encode(x.contiguous().view(torch.uint8).numpy().tobytes())
+        assert len(blob) == x.numel() // 16 * (16 + 4)  # an int8 value each, and a float32 scale a row
+        back = torch.frombuffer(bytearray(codec.decode(blob)), dtype=torch.uint8).view(dtype).view_as(x).float()
+        bound = x.float().abs().amax(-1, keepdim=True) / 127 / 2 + x.float().abs() * 2**-7  # rounding, then dtype's
+        assert ((back - x.float()).abs() <= bound + 1e-6).all(), dtype

@@ -150,3 +150,23 @@ def test_a_salted_request_loads_nothing_another_salt_left_in_the_tiers(model):
     assert one(tiered, [*history, 1], salted["tenant-b"])[1].num_cached_tokens == 0
     assert one(tiered, [*history, 1])[1].num_cached_tokens == 0, "an unsalted request loaded a salted one's KV"
     assert one(tiered, [*history, 1], salted["tenant-a"])[1].num_cached_tokens >= 36
+
+
+def test_an_int8_host_tier_keeps_int8_rows_and_serves_the_turn(model):
+    tiered = engine(model, TiersConfig(host=HostTierConfig(gib=0.01, int8=True), write="computed"))
+    history = prompt(10)
+    first, _ = one(tiered, history)
+    assert tiered.tiering is not None and tiered.tiering.tiers.flush()
+    host = tiered.tiering.tiers.stores[0]
+    (keys, _), layers = tiered.kv_cache[0], len(tiered.kv_cache)
+    float32_block = 2 * layers * keys[0].numel() * keys.element_size()
+    head_dim = keys.shape[-1]
+    int8_block = float32_block // 4 * (head_dim + 4) // head_dim  # int8 values and a float32 scale a row
+    assert host.bytes == int8_block * len(host.names()), (host.bytes, len(host.names()), int8_block)
+    for seed in (2, 3, 4):
+        one(tiered, prompt(seed))
+    turn_2 = [*history, *first, 6]
+    tokens, final = one(tiered, turn_2)
+    assert final.num_cached_tokens >= 40 and tiered.tiering.tiers.stats["host"].hits >= 10
+    fresh, _ = one(engine(model, num_blocks=64), turn_2)
+    assert tokens[0] == fresh[0]  # int8 KV is close, not equal: the first greedy token agrees

@@ -95,18 +95,37 @@ class _Bounded:
         self.bytes -= self._sizes.pop(name, 0)
 
 
+class Codec(Protocol):
+    """A smaller form of a block's bytes, kept in its place (`cluster.kv.tiering.Int8Rows`)."""
+
+    def encode(self, payload: bytes) -> bytes: ...
+    def decode(self, blob: bytes) -> bytes: ...
+
+
 class HostStore(_Bounded):
+    """Entries in this process's memory; with a `codec`, in its smaller form (the budget counts
+    that), given back decoded."""
+
     kind, sealed = "host", False
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, codec: Codec | None = None) -> None:
         super().__init__(max_bytes)
+        self.codec = codec
         self._entries: dict[bytes, bytes] = {}
 
     def get_many(self, names: Sequence[bytes]) -> list[bytes | None]:
         with self.lock:
-            return [self._entries[n] if self._touch(n) else None for n in names]
+            blobs = [self._entries[n] if self._touch(n) else None for n in names]
+        if self.codec is None:
+            return blobs
+        return [None if b is None else self.codec.decode(b) for b in blobs]
 
     def put(self, name: bytes, blob: bytes) -> list[bytes]:
+        with self.lock:
+            if self._touch(name):
+                return []
+        if self.codec is not None:
+            blob = self.codec.encode(blob)
         with self.lock:
             if self._touch(name) or len(blob) > self.max_bytes:
                 return []

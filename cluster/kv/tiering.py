@@ -38,6 +38,7 @@ from cluster.engine.request import Request, StepPlan
 from cluster.kv.stores import DiskStore, HostStore, RedisStore, Store
 from cluster.kv.tiers import Tiers
 from cluster.kv.wire import model_fingerprint
+from cluster.model.attention import KV_SCALE_BYTES, dequantize_rows, quantize_rows
 
 GIB = 1 << 30
 PROBE_EVERY = 32
@@ -71,12 +72,32 @@ class BlockCopier(Protocol):
     def read_blocks(self, block_ids: list[int]) -> list[bytes]: ...
     def write_blocks(self, fills: list[tuple[int, bytes]]) -> None: ...
     def kv_layout(self) -> bytes: ...
+    @property
+    def kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
-def open_stores(config: TiersConfig, secret: str) -> list[Store]:
+class Int8Rows:
+    """A block as the host tier keeps it with `int8`: each (token, head) row of its keys and values
+    as int8 values and their float32 scale (`quantize_rows`, the int8 KV cache's own rows)."""
+
+    def __init__(self, dtype: torch.dtype, head_dim: int) -> None:
+        self.dtype, self.head_dim = dtype, head_dim
+
+    def encode(self, payload: bytes) -> bytes:
+        rows = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(-1, self.head_dim)
+        return quantize_rows(rows).numpy().tobytes()
+
+    def decode(self, blob: bytes) -> bytes:
+        rows = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(-1, self.head_dim + KV_SCALE_BYTES)
+        return dequantize_rows(rows, self.dtype).view(torch.uint8).numpy().tobytes()
+
+
+def open_stores(config: TiersConfig, secret: str, kv: torch.Tensor) -> list[Store]:
+    """The stores `config` names; `kv` is a layer's key cache (its element type and head size)."""
     stores: list[Store] = []
     if config.host is not None:
-        stores.append(HostStore(int(config.host.gib * GIB)))
+        int8 = config.host.int8 and kv.dtype != torch.uint8  # an int8 pool's blocks are int8 rows already
+        stores.append(HostStore(int(config.host.gib * GIB), Int8Rows(kv.dtype, kv.shape[-1]) if int8 else None))
     if config.disk is not None:
         stores.append(DiskStore(config.disk.path, int(config.disk.gib * GIB)))
     if config.shared is not None:
@@ -99,7 +120,7 @@ class Tiering:
     def build(cls, config: TiersConfig, secret: str, blocks: BlockManager, runner: BlockCopier) -> Tiering | None:
         if not config.enabled:
             return None
-        stores, layout = open_stores(config, secret), runner.kv_layout()
+        stores, layout = open_stores(config, secret, runner.kv_cache[0][0]), runner.kv_layout()
         tiers = Tiers(stores, secret.encode(), layout, retry_after_s=config.retry_after_s, journal=blocks.journal)
         return cls(tiers, blocks, runner)
 
