@@ -77,6 +77,7 @@ def profile(config: ClusterConfig, threads: list[int], quick: bool = False) -> P
         kv_bytes_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes
         transfer, points["transfer"] = _transfer(arch, dtype_bytes, kv_bytes_per_token, quick, bar)
         router = _router(transfer["grpc"].base_s, bar)
+        tiers, points["tiers"] = _tiers(config, config.cache.block_size * kv_bytes_per_token, quick)
     return Profile(
         costs=costs,
         transfer=transfer,
@@ -87,6 +88,7 @@ def profile(config: ClusterConfig, threads: list[int], quick: bool = False) -> P
         dtype=m.dtype,
         machine=f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
         points=points,
+        tiers=tiers,
     )
 
 
@@ -202,6 +204,41 @@ def _transfer(arch, dtype_bytes: int, per_token: int, quick: bool, bar: tqdm) ->
     for name, pts in raw.items():
         base, per = fit_linear([[1.0, b] for b, _ in pts], [t for _, t in pts])
         fits[name] = LinearCost(base, per)
+    return fits, raw
+
+
+def _tiers(config: ClusterConfig, block_bytes: int, quick: bool) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Each KV tier `cache.tiers` names: how long a load of a run of blocks takes, by the bytes it
+    reads (runs of 1, 8 and 32 blocks of this model's size, written first, then read back whole)."""
+    from cluster.kv.tiering import open_stores
+    from cluster.kv.tiers import Tiers
+
+    if not config.cache.tiers.enabled:
+        return {}, {}
+    secret = config.auth.secret
+    kv = torch.empty(1, 1, 1, 1, dtype=torch.uint8)  # the host tier profiled without its int8 codec
+    rng = random.Random(0)
+    raw: dict[str, list] = {}
+    for store in open_stores(config.cache.tiers, secret, kv):
+        tiers = Tiers([store], secret.encode(), b"profile")
+        for run in (1, 8) if quick else (1, 8, 32):
+            names = [rng.randbytes(16) for _ in range(run)]
+            for name in names:
+                tiers.offer(name, rng.randbytes(block_bytes))
+            if not tiers.flush(60) or tiers.stats[store.kind].failures:
+                raise RuntimeError(f"the {store.kind} KV tier failed while profiled; is it reachable?")
+            times = []
+            for _ in range(2 if quick else 3):
+                start = time.perf_counter()
+                loaded = tiers.fetch(names).result(60)
+                times.append(time.perf_counter() - start)
+                assert len(loaded.payloads) == run, f"the {store.kind} tier lost blocks while profiled"
+            raw.setdefault(store.kind, []).append([run * block_bytes, statistics.median(times)])
+        tiers.close()
+    fits = {}
+    for kind, pts in raw.items():
+        base, per = fit_linear([[1.0, b] for b, _ in pts], [t for _, t in pts])
+        fits[kind] = LinearCost(base, per)
     return fits, raw
 
 

@@ -97,6 +97,13 @@ class Profile:
     dtype: str = "unknown"
     machine: str = "unknown"
     points: dict[str, Any] = field(default_factory=dict)
+    tiers: dict[str, LinearCost] = field(default_factory=dict)  # a load of n bytes from each KV tier
+
+    def tier_load_s(self, tier: str, num_blocks: int) -> float:
+        """What loading `num_blocks` blocks from a KV tier takes (`cache.tiers` as profiled)."""
+        if tier not in self.tiers:
+            raise ProfileError(f"the profile has no costs for KV tier {tier!r}; it has {sorted(self.tiers)}")
+        return self.tiers[tier].at(num_blocks * self.block_size * self.kv_bytes_per_token)
 
     def step_costs(self, threads: int) -> StepCosts:
         if threads not in self.costs:
@@ -125,6 +132,7 @@ def to_json(profile: Profile) -> dict[str, Any]:
         "costs": {str(k): step(v) for k, v in sorted(profile.costs.items())},
         "transfer": {k: {"base_s": v.base_s, "byte_s": v.per_s} for k, v in profile.transfer.items()},
         "router": {"request_s": profile.router.base_s, "token_s": profile.router.per_s},
+        "tiers": {k: {"base_s": v.base_s, "byte_s": v.per_s} for k, v in profile.tiers.items()},
         "points": profile.points,
     }
 
@@ -151,6 +159,10 @@ def from_json(data: Any, source: str = "profile") -> Profile:
             for k, v in _get(data, "transfer", dict).items()
         }
         router = _get(data, "router", dict)
+        tiers = {
+            k: LinearCost(_num(v, "base_s", f"tiers.{k}"), _num(v, "byte_s", f"tiers.{k}"))
+            for k, v in (data.get("tiers") or {}).items()
+        }
         return Profile(
             costs=costs,
             transfer=transfer,
@@ -161,6 +173,7 @@ def from_json(data: Any, source: str = "profile") -> Profile:
             dtype=str(data.get("dtype", "unknown")),
             machine=str(data.get("machine", "unknown")),
             points=dict(data.get("points") or {}),
+            tiers=tiers,
         )
     except ProfileError as e:
         raise ProfileError(f"{source}: {e}") from None

@@ -229,3 +229,20 @@ def test_the_int8_host_form_keeps_each_row_within_half_its_scale():
         back = torch.frombuffer(bytearray(codec.decode(blob)), dtype=torch.uint8).view(dtype).view_as(x).float()
         bound = x.float().abs().amax(-1, keepdim=True) / 127 / 2 + x.float().abs() * 2**-7  # rounding, then dtype's
         assert ((back - x.float()).abs() <= bound + 1e-6).all(), dtype
+
+
+def test_tandem_profile_measures_each_configured_tiers_load_cost(tmp_path):
+    from cluster.config import parse_config
+    from planner.measure import _tiers
+    from planner.profile import Profile, from_json, to_json
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "tandem-demo-code"
+    tiers = {"host": {"gib": 0.01}, "disk": {"path": str(tmp_path / "kv"), "gib": 0.01}}
+    config = parse_config({"model": {"path": str(demo)}, "cache": {"tiers": tiers}, "auth": {"cluster_secret": "s"}})
+    costs, points = _tiers(config, 64 * 1024, quick=True)
+    assert set(costs) == {"host", "disk"} and all(len(p) == 2 for p in points.values())
+    assert all(c.at(64 * 1024) > 0 for c in costs.values())
+    profile = Profile({}, {}, costs["host"], kv_bytes_per_token=4096, tiers=costs)
+    assert profile.tier_load_s("disk", 16) == costs["disk"].at(16 * 16 * 4096)
+    step = {"prefill": {"base_s": 0, "token_s": 1}, "decode": {"base_s": 0, "row_s": 1}}
+    assert from_json({**to_json(profile), "costs": {"1": step}}).tiers == costs
