@@ -105,6 +105,26 @@ def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_
     }  # fmt: skip
 
 
+def naming_cost() -> dict[str, float]:
+    """What naming a prompt's blocks costs a token: SHA-256 names (`block_names.chain`) beside the
+    64-bit Python `hash` chain they replaced, 4,096 tokens, 16-token blocks, best of 7."""
+    import timeit
+
+    from cluster.engine.block_names import UNNAMED_MODEL, chain
+
+    def old(tokens: list[int]) -> list[int]:
+        names, parent = [], 0
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            parent = hash((parent, tuple(tokens[start : start + BLOCK])))
+            names.append(parent)
+        return names
+
+    tokens = list(range(4096))
+    sha = min(timeit.repeat(lambda: chain(tokens, BLOCK, UNNAMED_MODEL), number=20, repeat=7)) / 20 / len(tokens)
+    was = min(timeit.repeat(lambda: old(tokens), number=20, repeat=7)) / 20 / len(tokens)
+    return {"sha256_ns_per_token": sha * 1e9, "python_hash_ns_per_token": was * 1e9}
+
+
 def tier_totals(workers: dict) -> dict:  # type: ignore[type-arg]
     """Blocks and bytes loaded from each tier, and the seconds it took, summed over the workers."""
     totals: dict[str, dict[str, float]] = {}
@@ -189,6 +209,9 @@ def main() -> None:
           f"{blocks} blocks a pool ({kind})")  # fmt: skip
     print_table(rows)
     results = {"workload": w.__dict__, "model": model.name, "blocks": blocks, "cpu": kind, "rows": rows}
+    results["naming"] = naming = naming_cost()
+    print(f"\nnaming a block: {naming['sha256_ns_per_token']:.0f} ns a token (SHA-256) against "
+          f"{naming['python_hash_ns_per_token']:.0f} ns (the 64-bit hash it replaced)")  # fmt: skip
     results["goals"] = goals(rows)
     print("\ngoals")
     for name, (value, goal, met) in results["goals"].items():
