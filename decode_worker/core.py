@@ -35,6 +35,7 @@ from typing import Any
 import torch.multiprocessing  # noqa: F401  (its reductions send the shared KV cache over the pipe)
 
 from cluster.config import ClusterConfig, SchedulerConfig
+from cluster.engine.block_names import model_root
 from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.core_process import IDLE_WAKE_S, CoreDied, CorePipe, spawn
 from cluster.engine.kv_events import KVJournal, replay
@@ -205,7 +206,9 @@ class ProcessCore(CorePipe, CoreHandle):
     ) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
         super().__init__(process, commands, events, call_timeout_s)
         self.info, self.scheduler_config, self.text = info, scheduler_config, text
-        self.kv_journal = KVJournal()  # the core's journal, replayed from the frames
+        # The core's journal, replayed from the frames; its root known before the first frame, for a
+        # Watch stream that starts sooner
+        self.kv_journal = KVJournal(model_root(info.fingerprint))
         self.changes = Changes()
         self.occupancy = info.occupancy
         self.has_unfinished = False

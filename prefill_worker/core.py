@@ -218,12 +218,14 @@ class ProcessCore(CorePipe):
     cache's journal for Watch."""
 
     def __init__(
-        self, process: multiprocessing.process.BaseProcess, commands, events, stats: PrefillStats,
+        self, process: multiprocessing.process.BaseProcess, commands, events, stats: PrefillStats, root: bytes,
         scheduler_config: SchedulerConfig, call_timeout_s: float = 30.0,
     ) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
         super().__init__(process, commands, events, call_timeout_s)
         self.scheduler_config = scheduler_config
-        self.kv_journal = KVJournal()  # the core's journal, replayed from the frames
+        # The core's journal, replayed from the frames; its root (the core's hello) known before the
+        # first frame, for a Watch stream that starts sooner
+        self.kv_journal = KVJournal(root)
         self.changes = Changes()
         self.has_work = False
         # The core died (it was not stopped): the worker's own `on_fatal` follows.
@@ -236,8 +238,9 @@ class ProcessCore(CorePipe):
     @classmethod
     def spawn(cls, config: ClusterConfig, worker_id: str, timeout_s: float = 600.0) -> ProcessCore:
         """Starts the core for `config` and waits until its engine is built."""
-        process, commands, events, stats, _ = spawn(prefill_core_main, config, f"{worker_id}-core", timeout_s)
-        return cls(process, commands, events, stats, config.scheduler, config.scheduler.wedged_after_s)
+        process, commands, events, hello, _ = spawn(prefill_core_main, config, f"{worker_id}-core", timeout_s)
+        stats, root = hello
+        return cls(process, commands, events, stats, root, config.scheduler, config.scheduler.wedged_after_s)
 
     def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *rest) -> None:  # type: ignore[no-untyped-def]
         with self._lock:
@@ -324,7 +327,7 @@ def prefill_core_main(commands, events, config_json: str) -> None:  # type: igno
     except BaseException as e:  # the front raises it: a bad model or config fails the worker's start
         events.send(RuntimeError(f"the prefill engine core failed to start: {e!r}"))
         raise
-    events.send(engine.stats())
+    events.send((engine.stats(), engine.kv_journal.root))
     try:
         PrefillLoop(engine, senders, commands, events).run()
     finally:
