@@ -138,7 +138,8 @@ class Engine:
         request = _request(request_id, token_ids, params, num_output)
         self._constrain(request)  # a constraint this worker cannot compile is refused before any block
         with self.lock:
-            if request_id in self._reserved or request_id in self.scheduler.requests:
+            parked = self.tiering is not None and request_id in self.tiering
+            if request_id in self._reserved or request_id in self.scheduler.requests or parked:
                 raise KeyError(f"request id {request_id!r} is already in use on this worker")
             if params.num_beams > 1:
                 raise ValueError("beam search requests are prefilled on the decode worker, not transferred")
@@ -200,7 +201,7 @@ class Engine:
         request = _request(request_id, tokens, params, len(output_token_ids))
         self._constrain(request)
         with self.lock:
-            if request_id in self._reserved:
+            if request_id in self._reserved or (self.tiering is not None and request_id in self.tiering):
                 raise ValueError(f"request id {request_id!r} is already in use")
             if params.num_beams > 1:
                 self.beams.add(request)

@@ -5,6 +5,7 @@ prefix the first wrote through to a real Redis; a corrupted entry is computed in
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -170,3 +171,23 @@ def test_an_int8_host_tier_keeps_int8_rows_and_serves_the_turn(model):
     assert final.num_cached_tokens >= 40 and tiered.tiering.tiers.stats["host"].hits >= 10
     fresh, _ = one(engine(model, num_blocks=64), turn_2)
     assert tokens[0] == fresh[0]  # int8 KV is close, not equal: the first greedy token agrees
+
+
+def test_a_request_id_waiting_for_its_load_is_in_use_until_it_is_aborted(model):
+    tiered = engine(model, TiersConfig(host=HostTierConfig(gib=0.01), write="computed"))
+    history = prompt(11)
+    one(tiered, history)
+    assert tiered.tiering is not None and tiered.tiering.tiers.flush()
+    for seed in (2, 3, 4):
+        one(tiered, prompt(seed))
+    never: concurrent.futures.Future = concurrent.futures.Future()  # a load that does not end
+    tiered.tiering.tiers.fetch = lambda names, kinds=None: never  # type: ignore[method-assign]
+    tiered.add_request("dup", [*history, 1], GREEDY)
+    assert "dup" in tiered.tiering and tiered.has_unfinished
+    with pytest.raises(ValueError, match="already in use"):
+        tiered.add_request("dup", [*history, 2], GREEDY)
+    with pytest.raises(KeyError, match="already in use"):
+        tiered.reserve("dup", [*history, 2], GREEDY)
+    assert tiered.step() == [] and "dup" in tiered.tiering
+    assert tiered.abort("dup") and "dup" not in tiered.tiering and not tiered.has_unfinished
+    tiered.scheduler.blocks.check_integrity()

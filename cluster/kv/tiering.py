@@ -128,6 +128,10 @@ class Tiering:
     def parked(self) -> int:
         return len(self._parked)
 
+    def __contains__(self, request_id: str) -> bool:
+        """Whether a request of this id waits here for its load."""
+        return request_id in self._parked
+
     def park(self, request: Request) -> bool:
         if not request.reuses_cache:
             return False
