@@ -35,7 +35,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.engine.block_names import UNNAMED_MODEL, child, request_root
+from cluster.engine.block_names import UNNAMED_MODEL, chain, child, request_root
 from cluster.engine.kv_events import KVJournal
 
 
@@ -129,7 +129,14 @@ class BlockManager:
 
     def cached_blocks(self, tokens: Sequence[int], salt: str = "") -> int:
         """How many leading full blocks of `tokens` (never the last token) the pool holds now."""
-        return len(self._lookup(tokens[:-1], request_root(self.root, salt)))
+        return self.held_run(chain(tokens[:-1], self.block_size, request_root(self.root, salt)))
+
+    def held_run(self, names: Sequence[bytes]) -> int:
+        """How many of the block `names`, from the first, the pool holds now."""
+        run = 0
+        while self.prefix_caching and run < len(names) and names[run] in self._cached:
+            run += 1
+        return run
 
     def can_append(self, seq: Hashable, num_tokens: int, write_from: int | None = None) -> bool:
         """Whether `seq` can grow to `num_tokens` tokens (no watermark: running sequences may use it),

@@ -136,8 +136,9 @@ class Tiering:
         if not request.reuses_cache:
             return False
         tokens, salt = request.all_token_ids, request.params.cache_salt
-        first = self.blocks.cached_blocks(tokens, salt)
-        names = chain(tokens[:-1], self.blocks.block_size, request_root(self.blocks.root, salt))[first:]
+        names = chain(tokens[:-1], self.blocks.block_size, request_root(self.blocks.root, salt))  # named once
+        first = self.blocks.held_run(names)
+        names = names[first:]
         kinds = self._worth_loading() if names else []
         if not kinds or not self.tiers.may_hold(names[0], kinds):
             return False
