@@ -5,6 +5,7 @@ tandem serve | control | router               run a cluster, its registry and po
 tandem generate PROMPT [--target | --model]   a completion from a running cluster, or in this process  (cli.generate)
 tandem bench [--target | --config] [--rate R] serving metrics: TTFT, TPOT, ITL, goodput               (cli.bench)
 tandem status | scale POOL N|auto             the router's Admin service                              (cli.admin)
+tandem adapters list | load | unload          LoRA adapters while serving                              (cli.adapters)
 tandem certs --out DIR                        a development CA and certificate for TLS                 (cli.certs)
 tandem dashboards --out DIR [--target]        a Prometheus scrape config and Grafana dashboards        (cli.dashboards)
 tandem model init | quantize | import-gguf    model folders; tandem config check FILE                  (cli.model)
@@ -19,14 +20,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from cli import admin, bench, certs, dashboards, generate, model, plan, serve
+from cli import adapters, admin, bench, certs, dashboards, generate, model, plan, serve
 from cluster.config import ConfigError
 from cluster.lifeline import ClusterUnavailable
 from cluster.model.arch import ModelFormatError
 from router.sdk.errors import TandemError
 from router.service.replicas import ReplicaFailed
 
-COMMANDS = (serve, generate, bench, admin, certs, dashboards, model, plan)  # in the order --help lists them
+COMMANDS = (serve, generate, bench, admin, adapters, certs, dashboards, model, plan)  # in the order --help lists them
 
 
 def main(argv: Sequence[str] | None = None) -> int:

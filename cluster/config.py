@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from cluster.cpu import auto_dtype
 
+MAX_ADAPTER_NAME = 256  # characters of a LoRA adapter's name
+
 
 class ConfigError(ValueError):
     """A config file that cannot be read or does not validate; the message names the field."""
@@ -67,6 +69,11 @@ class ModelConfig(_Part):
         "torch.compile before the worker serves, e.g. [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]; a step is padded to "
         "the next one. Seconds to minutes of start-up per bucket; empty: every step runs eager.",
     )
+    adapters: dict[str, Path] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at start, by the name requests use: {name: folder PEFT saved "
+        "(adapter_config.json + adapter_model.safetensors)}. Limits in `lora`.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +91,42 @@ class ModelConfig(_Part):
     @property
     def served_name(self) -> str:
         return self.name or self.path.name
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ModelConfig:
+        for name in self.adapters:
+            if not name or len(name) > MAX_ADAPTER_NAME or name == self.served_name:
+                raise ValueError(
+                    f"adapters: {name!r} must be 1 to {MAX_ADAPTER_NAME} characters and not the model's own name"
+                )
+        return self
+
+
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[LoraTarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Part):
+    max_loras: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Adapters resident on a worker at once, and so in one batch; the least recently used is "
+        "written over. Each pass computes every slot's low-rank product, so a step's added cost grows with "
+        "max_loras x max_rank.",
+    )
+    max_rank: int = Field(default=16, ge=1, le=512, description="Largest adapter rank a worker accepts.")
+    targets: tuple[LoraTarget, ...] = Field(
+        default=LORA_TARGETS,
+        min_length=1,
+        description="Projections an adapter may update; an adapter updating another is refused. Fewer "
+        "targets, less memory and work per step.",
+    )
+    runtime_loading: bool = Field(
+        default=False,
+        description="Allow loading and unloading adapters while serving (Admin.LoadAdapter / UnloadAdapter, "
+        "`tandem adapters`, /v1/load_lora_adapter and /v1/unload_lora_adapter); off: only model.adapters.",
+    )
 
 
 class HostTierConfig(_Part):
@@ -436,6 +479,7 @@ class ClusterConfig(_Part):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Traces and metrics.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Credentials and TLS.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="The front door.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters over the served model.")
     ray_address: str | None = Field(
         default=None, description='Ray cluster to join ("auto", "ray://host:port"); unset starts a local one.'
     )

@@ -15,9 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.v1 import api_pb2, worker_pb2
 
-from cluster.engine.changes import Changes
+from cluster.engine.changes import AdapterState, Changes
 from cluster.engine.kv_events import KVBatch, KVJournal
-from cluster.engine.request import SamplingParams, params_from_proto
+from cluster.engine.request import SamplingParams, UnknownAdapter, params_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
@@ -116,6 +116,20 @@ async def admit_submit(
     except Refused as e:
         await context.abort(e.code, e.details)
         raise  # context.abort raises; this line is for the type checker
+
+
+def refusal_code(e: Exception) -> grpc.StatusCode:
+    """The status of a request an engine refused: NOT_FOUND for an adapter it does not serve, else
+    INVALID_ARGUMENT (a request that can never run there)."""
+    return grpc.StatusCode.NOT_FOUND if isinstance(e, UnknownAdapter) else grpc.StatusCode.INVALID_ARGUMENT
+
+
+def adapters_message(adapters: Sequence[AdapterState]) -> list[worker_pb2.LoadedAdapter]:
+    """A worker's LoRA adapters as its load reports them."""
+    return [
+        worker_pb2.LoadedAdapter(name=a.name, digest=a.digest, resident=a.resident, retiring=a.retiring)
+        for a in adapters
+    ]
 
 
 def kv_events_message(batch: KVBatch) -> worker_pb2.KVEvents:

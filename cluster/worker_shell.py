@@ -39,11 +39,13 @@ from cluster.auth import cluster_secret
 from cluster.config import AuthConfig, ModelConfig, SchedulerConfig, TelemetryConfig
 from cluster.engine.changes import Changes
 from cluster.engine.kv_events import KVJournal
+from cluster.engine.request import UnknownAdapter
 from cluster.grpc_server import watch_loads
 from cluster.kv.collective import CollectiveGroups
 from cluster.model.causal_lm import CausalLM
 from cluster.model.gguf import model_folder
 from cluster.model.loader import load_model
+from cluster.model.lora import Adapter, AdapterError
 from cluster.model.tokenizer import Tokenizer
 from cluster.telemetry import Telemetry
 from cluster.tls import server_credentials
@@ -62,7 +64,12 @@ class WorkerEngine(Protocol):
     @property
     def changes(self) -> Changes: ...
 
+    def load_adapter(self, adapter: Adapter) -> None: ...
 
+    def unload_adapter(self, name: str) -> None: ...
+
+
+RUNTIME_LOADING_OFF = "loading adapters while serving is off on this worker (lora.runtime_loading)"
 E = TypeVar("E", bound=WorkerEngine)
 T = TypeVar("T")
 
@@ -91,6 +98,8 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
         # What the host does when this worker cannot go on (a decode worker whose engine core died):
         # nothing here; a Ray actor exits its process, so Ray starts it again.
         self.on_fatal: Callable[[], None] = lambda: None
+        # Reads and checks a LoRA adapter loaded while serving: `reader(name, path)`; None refuses them.
+        self.adapter_reader: Callable[[str, str], Adapter] | None = None
         self._lock = threading.Lock()  # the role's request tables, and what its engine loop shares
         self._stop = threading.Event()
         self._draining = False
@@ -153,6 +162,31 @@ class WorkerShell(worker_pb2_grpc.WorkerServicer, Generic[E], ABC):
     ) -> AsyncIterator[worker_pb2.WorkerUpdate]:
         async for update in watch_loads(self.load, request, self._stop, self.engine.changes, self.engine.kv_journal):
             yield update
+
+    def LoadAdapter(
+        self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.AdapterResult:
+        """Reads and checks the adapter here (a call's thread), then hands it to the engine between steps."""
+        if self.adapter_reader is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, RUNTIME_LOADING_OFF)
+        try:
+            self.engine.load_adapter(self.adapter_reader(request.name, request.path))  # type: ignore[misc]
+        except AdapterError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        return worker_pb2.AdapterResult(workers=[self.worker_id])
+
+    def UnloadAdapter(
+        self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.AdapterResult:
+        if self.adapter_reader is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, RUNTIME_LOADING_OFF)
+        try:
+            self.engine.unload_adapter(request.name)
+        except UnknownAdapter as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return worker_pb2.AdapterResult(workers=[self.worker_id])
 
     def Drain(self, request: worker_pb2.DrainRequest, context: grpc.ServicerContext) -> worker_pb2.DrainResult:
         self._draining = True

@@ -37,7 +37,7 @@ import torch.multiprocessing  # noqa: F401  (its reductions send the shared KV c
 from cluster.config import ClusterConfig, SchedulerConfig
 from cluster.engine.block_names import model_root
 from cluster.engine.changes import Changes, Occupancy
-from cluster.engine.core_process import IDLE_WAKE_S, CoreDied, CorePipe, spawn
+from cluster.engine.core_process import IDLE_WAKE_S, AdapterCalls, CoreDied, CorePipe, spawn
 from cluster.engine.kv_events import KVJournal, replay
 from cluster.engine.request import SamplingParams
 from cluster.engine.sampler import TokenLogprob
@@ -48,7 +48,7 @@ from decode_worker.text import RequestOutput, TextStreams
 log = logging.getLogger(__name__)
 
 
-class CoreHandle:
+class CoreHandle(AdapterCalls):
     """What the front's handle on an engine core does on its side of the calls: each request's text
     opens as the request is queued or admitted, and each frame's outputs get their text and stop
     strings here (`decode_worker.text`), never in the core. A request a stop string ended is

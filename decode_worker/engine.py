@@ -34,17 +34,19 @@ import threading
 import time
 from collections.abc import Sequence
 
-from cluster.config import CacheConfig, SchedulerConfig
+from cluster.config import CacheConfig, LoraConfig, SchedulerConfig
+from cluster.engine.adapters import Adapters, resolve
 from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.detokenizer import Decoder
 from cluster.engine.model_runner import ModelRunner, StepOutput, num_kv_blocks
-from cluster.engine.request import Request, SamplingParams, StepPlan
+from cluster.engine.request import Request, SamplingParams, StepPlan, UnknownAdapter, adapters_fit
 from cluster.engine.sampler import Sampler, TokenLogprob
 from cluster.engine.speculative import Proposer, Speculator
 from cluster.engine.structured import Grammars
 from cluster.kv.tiering import PARKED_WAIT_S, Tiering, named_pool
 from cluster.model.causal_lm import CausalLM
+from cluster.model.lora import Adapter
 from decode_worker.beam import BeamGroups, BeamResult
 from decode_worker.scheduler import Scheduler
 from decode_worker.text import BeamOutput, RequestOutput, TextStreams
@@ -67,28 +69,24 @@ class Engine:
         shared_kv: bool = False,  # the KV cache in shared memory, for a front in another process
         text: bool = True,  # False: outputs carry no text and stop strings are left to the caller
         secret: str = "",  # the cluster's: it seals the KV tiers' entries
+        lora: LoraConfig | None = None,  # LoRA adapters' slots; None serves the base model only
     ) -> None:
         self.num_blocks = num_kv_blocks(model, cache)
+        self.adapters = Adapters.build(model, lora) if lora is not None else None
         pool = named_pool(model, model.arch, cache, self.num_blocks)
         self.fingerprint, blocks = pool.fingerprint, pool.blocks
         self.kv_journal = pool.journal  # what the prefix cache holds, for the routers' watch streams
         max_len = min(max_model_len or model.arch.max_position_embeddings, model.arch.max_position_embeddings)
-        self.scheduler = Scheduler(scheduler, blocks, eos_token_ids, max_len)
+        self.max_adapters = lora.max_loras if lora is not None else 0
+        self.scheduler = Scheduler(scheduler, blocks, eos_token_ids, max_len, self.max_adapters)
         sampler = Sampler(model.arch.vocab_size, seed)
         compiled = (
             CompiledDecode(model, compile_buckets, cache.block_size, self.num_blocks) if compile_buckets else None
         )
         self.runner = ModelRunner(
-            model,
-            self.num_blocks,
-            cache.block_size,
-            sampler,
-            compiled,
-            cache.kv_dtype,
-            eos_token_ids,
-            grammars,
-            shared_kv,
-        )
+            model, self.num_blocks, cache.block_size, sampler, compiled, cache.kv_dtype, eos_token_ids, grammars,
+            shared_kv, self.adapters,
+        )  # fmt: skip
         self.tiering = Tiering.build(cache.tiers, secret, blocks, self.runner)  # None without KV tiers
         self.tokenizer = tokenizer
         self.max_num_seqs = scheduler.max_num_seqs
@@ -96,7 +94,7 @@ class Engine:
         # Steps and KV-transfer reservations arrive on different threads; the scheduler and block
         # manager see one at a time.
         self.lock = threading.Lock()
-        self._reserved: set[str] = set()  # request ids holding blocks for a KV transfer in flight
+        self._reserved: dict[str, Request] = {}  # requests holding blocks for a KV transfer in flight, by id
         self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
         self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
@@ -114,7 +112,7 @@ class Engine:
         """Compiles every decode bucket now (the target's, and the draft model's when it has its
         own), so that no request waits for a compile; nothing to do without buckets."""
         if self.runner.compiled is not None:
-            self.runner.compiled.warm_up(self.kv_cache)
+            self.runner.compiled.warm_up(self.kv_cache, self.adapters.slots if self.adapters is not None else None)
         if self.speculator is not None:
             self.speculator.warm_up()
 
@@ -138,6 +136,7 @@ class Engine:
         request = _request(request_id, token_ids, params, num_output)
         self._constrain(request)  # a constraint this worker cannot compile is refused before any block
         with self.lock:
+            resolve(self.adapters, request, in_flight=True)  # prefilled before its adapter was unloaded here
             parked = self.tiering is not None and request_id in self.tiering
             if request_id in self._reserved or request_id in self.scheduler.requests or parked:
                 raise KeyError(f"request id {request_id!r} is already in use on this worker")
@@ -147,12 +146,14 @@ class Engine:
             blocks = self.scheduler.blocks
             if len(self.scheduler.running) + len(self._reserved) >= self.max_num_seqs:
                 raise MemoryError(f"the running batch is full ({self.max_num_seqs} sequences)")
-            if not blocks.can_allocate(request.all_token_ids, salt=params.cache_salt):
+            if not adapters_fit([*self.scheduler.running, *self._reserved.values()], request, self.max_adapters):
+                raise MemoryError(f"the running batch's adapters fill this worker's {self.max_adapters} slots")
+            if not blocks.can_allocate(request.all_token_ids, scope=request.scope):
                 raise MemoryError(f"{blocks.num_free_blocks} free KV blocks are not enough for {len(token_ids)} tokens")
-            cached = blocks.allocate(request_id, request.all_token_ids, salt=params.cache_salt)
+            cached = blocks.allocate(request_id, request.all_token_ids, scope=request.scope)
             if self.tiering is not None:
                 self.tiering.move()  # the blocks it evicted go down before the transfer overwrites them
-            self._reserved.add(request_id)
+            self._reserved[request_id] = request
             self._changed()
             return list(blocks.block_table(request_id)), cached
 
@@ -160,7 +161,7 @@ class Engine:
         """Frees the blocks of a reservation whose transfer failed."""
         with self.lock:
             if request_id in self._reserved:
-                self._reserved.discard(request_id)
+                del self._reserved[request_id]
                 self.scheduler.blocks.free(request_id)
                 self._changed()
 
@@ -180,7 +181,7 @@ class Engine:
         with self.lock:
             if request_id not in self._reserved:
                 raise KeyError(f"no reservation for request {request_id!r}")
-            self._reserved.discard(request_id)
+            request.adapter = self._reserved.pop(request_id).adapter
             self._open_stream(request)  # before the first token joins the output: it is decoded as new text
             request.num_prompt_logprobs = max(request.num_prompt_tokens - 1, 0)  # scored where it was prefilled
             self.scheduler.admit(request, first_token)  # and the matcher takes the first token
@@ -201,6 +202,7 @@ class Engine:
         request = _request(request_id, tokens, params, len(output_token_ids))
         self._constrain(request)
         with self.lock:
+            resolve(self.adapters, request)
             if request_id in self._reserved or (self.tiering is not None and request_id in self.tiering):
                 raise ValueError(f"request id {request_id!r} is already in use")
             if params.num_beams > 1:
@@ -255,11 +257,36 @@ class Engine:
                 outputs += self._update(plan, output)
                 if tiering is not None:
                     tiering.move()  # blocks computed by the pass, when they are written through
+                if self.adapters is not None and self.adapters.retiring:
+                    self.adapters.sweep(self._live_adapters(), time.monotonic())
                 self._changed()
                 return outputs
         if tiering is not None and tiering.parked and not outputs:
             tiering.wait(PARKED_WAIT_S)  # nothing to run until a load ends
         return outputs
+
+    # -- LoRA adapters: loaded and unloaded between steps -----------------------------------------
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Serves `adapter` (read and checked by the caller); ValueError for a name in use."""
+        if self.adapters is None:
+            raise ValueError("this worker serves no LoRA adapters (lora is not configured)")
+        with self.lock:
+            self.adapters.add(adapter)
+            self._changed()
+
+    def unload_adapter(self, name: str) -> None:
+        """Refuses new requests through `name` from now on; those running finish first."""
+        if self.adapters is None:
+            raise UnknownAdapter(name)
+        with self.lock:
+            self.adapters.remove(name, time.monotonic())
+            self.adapters.sweep(self._live_adapters(), time.monotonic())
+            self._changed()
+
+    def _live_adapters(self) -> set[str]:
+        held = [*self.scheduler.requests.values(), *self._reserved.values()]
+        return {r.params.adapter for r in held} | (self.tiering.adapters() if self.tiering is not None else set())
 
     def _changed(self) -> None:
         """Publishes the load as it is now and wakes whoever waits for a change (under the lock)."""
@@ -270,6 +297,7 @@ class Engine:
             free_blocks=blocks.num_free_blocks, total_blocks=blocks.num_blocks, preemptions=s.stats.num_preemptions,
             prefix_hits=blocks.prefix_hits, prefix_queries=blocks.prefix_queries,
             tiers=self.tiering.counts() if self.tiering is not None else (),
+            adapters=self.adapters.states() if self.adapters is not None else (), max_loras=self.max_adapters,
         )  # fmt: skip
         self.changes.bump()
 

@@ -76,6 +76,7 @@ def build_engine(config: ClusterConfig, shared: bool = False, text: bool = True)
     its outputs' text left to its front (`CoreHandle`)."""
     # Here, not above: the front's KV intake imports this module, and a GPU check's process that has
     # neither OpenTelemetry (the worker shell's) nor a tokenizer's grammar library imports the intake.
+    from cluster.engine.adapters import lora_part, startup_adapters
     from cluster.engine.speculative import build_proposer
     from cluster.engine.structured import for_tokenizer
     from cluster.worker_shell import load_model_and_tokenizer
@@ -88,8 +89,10 @@ def build_engine(config: ClusterConfig, shared: bool = False, text: bool = True)
         model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
         compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
         grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids), shared_kv=shared, text=text,
-        secret=config.auth.secret,
+        secret=config.auth.secret, lora=lora_part(config),
     )  # fmt: skip
+    for adapter in startup_adapters(config, model):
+        engine.load_adapter(adapter)
     engine.warm_up()
     return engine
 

@@ -30,8 +30,9 @@ import grpc
 import torch
 
 from cluster.auth import verify_capability
+from cluster.engine.request import UnknownAdapter
 from cluster.kv.transport import TransferState
-from cluster.kv.wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferError, verify_chunk
+from cluster.kv.wire import DTYPE_NAMES, KVChunk, KVCommit, KVHeader, TransferError, adapter_fingerprint, verify_chunk
 from decode_worker.core import ProcessCore, ThreadCore
 from decode_worker.engine import Engine
 
@@ -106,11 +107,15 @@ class KVIntake:
             table, cached = self.engine.reserve(rid, header.token_ids, header.sampling, header.num_output_tokens)
         except MemoryError:
             return self._prefill_here(header)
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, UnknownAdapter) as e:
             with self._lock:
                 del self._transfers[rid]
-            code = {KeyError: grpc.StatusCode.ALREADY_EXISTS, ValueError: grpc.StatusCode.OUT_OF_RANGE}
-            message = e.args[0] if e.args else repr(e)
+            code = {
+                KeyError: grpc.StatusCode.ALREADY_EXISTS,
+                ValueError: grpc.StatusCode.OUT_OF_RANGE,
+                UnknownAdapter: grpc.StatusCode.NOT_FOUND,
+            }
+            message = str(e) if isinstance(e, UnknownAdapter) else e.args[0] if e.args else repr(e)
             raise TransferError(code.get(type(e), grpc.StatusCode.RESOURCE_EXHAUSTED), message) from None
         if cached < header.first_position:  # evicted since the router saw it here
             self.engine.release(rid)
@@ -229,15 +234,25 @@ class KVIntake:
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _expected_fingerprint(self, adapter: str) -> bytes:
+        """This worker's fingerprint for KV through `adapter` ("" the base model); NOT_FOUND for an
+        adapter it does not serve."""
+        if not adapter:
+            return self.fingerprint
+        digest = next((a.digest for a in self.engine.occupancy.adapters if a.name == adapter), None)
+        if digest is None:
+            raise TransferError(grpc.StatusCode.NOT_FOUND, str(UnknownAdapter(adapter)))
+        return adapter_fingerprint(self.fingerprint, digest)
+
     def _check_header(self, header: KVHeader) -> None:
         if self.capability_secret is not None:
             verify_capability(
                 self.capability_secret, header.capability, header.request_id, header.num_tokens, self.block_size
             )
-        if header.fingerprint != self.fingerprint:
+        if header.fingerprint != self._expected_fingerprint(header.sampling.adapter):
             raise TransferError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "the sender serves another model (its fingerprint differs from this worker's)",
+                "the sender serves another model or adapter (its fingerprint differs from this worker's)",
             )
         vocab = self.arch.vocab_size
         if max(header.token_ids) >= vocab:

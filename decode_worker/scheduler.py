@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.request import Request, ScheduledChunk, Status, StepPlan
+from cluster.engine.request import Request, ScheduledChunk, Status, StepPlan, adapters_fit
 
 
 @dataclass
@@ -44,9 +44,11 @@ class Scheduler:
         blocks: BlockManager,
         eos_token_ids: Iterable[int] = (),
         max_model_len: int | None = None,
+        max_adapters: int = 0,
     ) -> None:
         self.config = config
         self.blocks = blocks
+        self.max_adapters = max_adapters  # distinct LoRA adapters one pass may run (the worker's slots)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -143,10 +145,12 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            if not self.blocks.can_allocate(tokens, request.reuses_cache, request.params.cache_salt):
+            if not self.blocks.can_allocate(tokens, request.reuses_cache, request.scope):
                 break
-            salt, loaded, request.loaded = request.params.cache_salt, request.loaded, None
-            cached = self.blocks.allocate(request.request_id, tokens, request.reuses_cache, salt, loaded)
+            if not adapters_fit(self.running, request, self.max_adapters):
+                break  # its adapter waits for a slot: the batch's adapters fill them
+            scope, loaded, request.loaded = request.scope, request.loaded, None
+            cached = self.blocks.allocate(request.request_id, tokens, request.reuses_cache, scope, loaded)
             request.loaded_from = request.loaded_from or self.blocks.last_filled  # its first admission's
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached

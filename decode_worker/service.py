@@ -32,7 +32,9 @@ import grpc
 from tandem.v1 import worker_pb2
 
 from cluster.config import AuthConfig, ClusterConfig
-from cluster.grpc_server import Refused, admit_submit, check_submit
+from cluster.engine.adapters import runtime_reader
+from cluster.engine.request import UnknownAdapter
+from cluster.grpc_server import Refused, adapters_message, admit_submit, check_submit, refusal_code
 from cluster.kv.collective import CollectiveGroups
 from cluster.kv.grpc_transport import TCP_READ_OPTIONS, KVTransferService, handlers
 from cluster.telemetry import Telemetry, extract, loaded_attributes
@@ -122,8 +124,8 @@ class DecodeWorker(WorkerShell[Core]):
                 prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
                 try:
                     await self.in_front(self.engine.add_request, rid, prompt, params, output)
-                except ValueError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except (ValueError, UnknownAdapter) as e:
+                    await context.abort(refusal_code(e), str(e))
             first_at = None
             while not finished:
                 try:
@@ -192,7 +194,7 @@ class DecodeWorker(WorkerShell[Core]):
 
                 def refused(e: Exception) -> None:
                     self._forget(rid)
-                    link.end(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    link.end(rid, refusal_code(e), str(e))
 
                 prompt, output = list(request.prompt_token_ids), list(request.output_token_ids)
                 self.engine.submit(rid, prompt, params, output, refused)  # no wait: the stream's next submit goes on
@@ -227,6 +229,8 @@ class DecodeWorker(WorkerShell[Core]):
             wedged=self.watchdog.wedged,
             tier_block_cost={c.tier: c.cost for c in o.tiers if c.cost is not None},
             tier_hit_blocks={c.tier: c.hits for c in o.tiers},
+            adapters=adapters_message(o.adapters),
+            max_loras=o.max_loras,
         )
 
     # -- internals ---------------------------------------------------------------------------------
@@ -366,4 +370,6 @@ def around(config: ClusterConfig, worker_id: str, core: Core, fingerprint: bytes
     groups = CollectiveGroups(m.device, t.timeout_s, t.max_groups)
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
     wedged = config.scheduler.wedged_after_s
-    return DecodeWorker(core, intake, worker_id, groups, telemetry, config.auth, wedged)
+    worker = DecodeWorker(core, intake, worker_id, groups, telemetry, config.auth, wedged)
+    worker.adapter_reader = runtime_reader(config, intake.arch)
+    return worker

@@ -221,10 +221,10 @@ class DecodeWorker(_Worker):
         while self.intake and len(s.running) < s.config.max_num_seqs:
             request = self.intake[0]
             tokens = request.all_token_ids
-            if not self.blocks.can_allocate(tokens, salt=request.params.cache_salt):
+            if not self.blocks.can_allocate(tokens, scope=request.scope):
                 return
             self.intake.popleft()
-            self.blocks.allocate(request.request_id, tokens, salt=request.params.cache_salt)
+            self.blocks.allocate(request.request_id, tokens, scope=request.scope)
             self.clock.started(request.request_id, "intake", now)
             s.admit(request, TOKEN)
             if request.finished:

@@ -29,13 +29,14 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 
 from cluster.auth import secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, SchedulerConfig, TransferConfig
 from cluster.engine.changes import Changes
-from cluster.engine.core_process import IDLE_WAKE_S, CoreLoop, CorePipe, spawn
+from cluster.engine.core_process import IDLE_WAKE_S, AdapterCalls, CoreLoop, CorePipe, spawn
 from cluster.engine.kv_events import KVBatch, KVJournal, replay
 from cluster.engine.request import SamplingParams
 from cluster.kv.collective import CollectiveGroups
@@ -123,10 +124,13 @@ class Senders:
 
 class Shipping:
     """The prefill engine as its core's commands reach it: a request names the decode worker its KV
-    goes to, and the core's `Senders` reach it."""
+    goes to, and the core's `Senders` reach it; its other calls (abort, the adapters) are the engine's."""
 
     def __init__(self, engine: PrefillEngine, senders: Senders) -> None:
         self.engine, self.senders = engine, senders
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
     def add_request(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, decode_target: str,
@@ -135,12 +139,10 @@ class Shipping:
         sender = self.senders(decode_target)
         self.engine.add_request(request_id, prompt, params, sender, capability, output_token_ids, decode_cached_tokens)
 
-    def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
-
 
 def build_engine(config: ClusterConfig) -> PrefillEngine:
     """The prefill engine for the config's model, cache, batching and transfer settings."""
+    from cluster.engine.adapters import lora_part, startup_adapters
     from cluster.engine.model_runner import num_kv_blocks
     from cluster.engine.structured import for_tokenizer
     from cluster.worker_shell import load_model_and_tokenizer
@@ -150,10 +152,13 @@ def build_engine(config: ClusterConfig) -> PrefillEngine:
     eos = tokenizer.eos_token_ids
     grammars = for_tokenizer(tokenizer, model.arch.vocab_size, eos)
     num_blocks = num_kv_blocks(model, config.cache)
-    return PrefillEngine(
+    engine = PrefillEngine(
         model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars,
-        secret=config.auth.secret,
+        secret=config.auth.secret, lora=lora_part(config),
     )  # fmt: skip
+    for adapter in startup_adapters(config, model):
+        engine.load_adapter(adapter)
+    return engine
 
 
 def senders_for(config: ClusterConfig) -> Senders:
@@ -161,7 +166,7 @@ def senders_for(config: ClusterConfig) -> Senders:
     return Senders(t, CollectiveGroups(config.model.device, t.timeout_s, t.max_groups), config.auth)
 
 
-class ThreadCore:
+class ThreadCore(AdapterCalls):
     """The prefill engine in this process: its calls go straight to it (under a lock), and `run` steps it."""
 
     def __init__(self, engine: PrefillEngine, senders: Senders) -> None:
@@ -178,6 +183,10 @@ class ThreadCore:
     def abort(self, request_id: str) -> bool:
         with self._lock:
             return self.engine.abort(request_id)
+
+    def _send(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            return getattr(self._shipping, method)(*args)
 
     def stats(self) -> PrefillStats:
         return self.engine.stats()
@@ -211,7 +220,7 @@ class ThreadCore:
                 engine.changes.wait(seen, LEASE_POLL_S)
 
 
-class ProcessCore(CorePipe):
+class ProcessCore(CorePipe, AdapterCalls):
     """The prefill engine in a child process; this object is its front's handle. `add_request` is a
     round trip (the core takes commands between steps); `abort` does not wait. `run` reads the
     frames and the transfers' ends, keeping the load, the change counter and a mirror of the prefix

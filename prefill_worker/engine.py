@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.config import CacheConfig, SchedulerConfig, TransferConfig
-from cluster.engine.changes import Changes, TierCounts
+from cluster.config import CacheConfig, LoraConfig, SchedulerConfig, TransferConfig
+from cluster.engine.adapters import Adapters, resolve
+from cluster.engine.changes import AdapterState, Changes, TierCounts
 from cluster.engine.model_runner import ModelRunner
-from cluster.engine.request import Request, SamplingParams, ScheduledChunk, TokenLogprob
+from cluster.engine.request import Request, SamplingParams, ScheduledChunk, TokenLogprob, UnknownAdapter
 from cluster.engine.sampler import Sampler, SampleRow
 from cluster.engine.structured import Grammars
 from cluster.kv.tiering import PARKED_WAIT_S, Tiering, named_pool
 from cluster.kv.transport import KVSender, SendStream
-from cluster.kv.wire import DTYPE_NAMES, KVHeader, make_chunk
+from cluster.kv.wire import DTYPE_NAMES, KVHeader, adapter_fingerprint, make_chunk
 from cluster.model.causal_lm import CausalLM
+from cluster.model.lora import Adapter
 from prefill_worker.scheduler import PrefillScheduler
 
 
@@ -62,6 +64,8 @@ class PrefillStats:
     free_blocks: int
     total_blocks: int
     tiers: tuple[TierCounts, ...] = ()  # the KV tiers', when `cache.tiers` names any
+    adapters: tuple[AdapterState, ...] = ()  # with LoRA
+    max_loras: int = 0  # adapters its slots hold at once
 
 
 @dataclass
@@ -87,8 +91,10 @@ class PrefillEngine:
         clock: Callable[[], float] = time.monotonic,
         grammars: Grammars | None = None,
         secret: str = "",  # the cluster's: it seals the KV tiers' entries
+        lora: LoraConfig | None = None,  # LoRA adapters' slots; None serves the base model only
     ) -> None:
         self.model = model
+        self.adapters = Adapters.build(model, lora) if lora is not None else None
         self.grammars = grammars  # structured output; None refuses constrained requests
         self.transfer = transfer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -97,10 +103,11 @@ class PrefillEngine:
         pool = named_pool(model, model.arch, cache, num_blocks)
         self.fingerprint, blocks = pool.fingerprint, pool.blocks
         self.kv_journal = pool.journal  # what the prefix cache holds, for the routers' watch streams
-        self.scheduler = PrefillScheduler(scheduler, blocks)
+        self.scheduler = PrefillScheduler(scheduler, blocks, lora.max_loras if lora is not None else 0)
         self.runner = ModelRunner(
-            model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed), kv_dtype=cache.kv_dtype
-        )
+            model, num_blocks, cache.block_size, Sampler(model.arch.vocab_size, seed), kv_dtype=cache.kv_dtype,
+            adapters=self.adapters,
+        )  # fmt: skip
         self.tiering = Tiering.build(cache.tiers, secret, blocks, self.runner)  # None without KV tiers
         layerwise = transfer.layerwise
         self.layerwise = layerwise if layerwise is not None else self.runner.device.type == "cuda"
@@ -150,6 +157,7 @@ class PrefillEngine:
         if decode_cached_tokens % block or not 0 <= decode_cached_tokens < total:
             raise ValueError(f"decode_cached_tokens={decode_cached_tokens}: whole {block}-token blocks below {total}")
         request = Request(request_id, list(prompt), params, output_token_ids=list(output_token_ids))
+        resolve(self.adapters, request)
         if params.structured is not None:  # the first token is sampled under the constraint
             if self.grammars is None:
                 raise ValueError("structured output is not available on this worker (no tokenizer)")
@@ -228,8 +236,25 @@ class PrefillEngine:
             )  # fmt: skip
         if tiering is not None:
             tiering.move()  # blocks computed by the pass, when they are written through
+        if self.adapters is not None and self.adapters.retiring:
+            self.adapters.sweep((job.request.params.adapter for job in self._jobs.values()), self.clock())
         self._changed()
         return outputs
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Serves `adapter` (read and checked by the caller); ValueError for a name in use."""
+        if self.adapters is None:
+            raise ValueError("this worker serves no LoRA adapters (lora is not configured)")
+        self.adapters.add(adapter)
+        self._changed()
+
+    def unload_adapter(self, name: str) -> None:
+        """Refuses new requests through `name` from now on; those in flight finish first."""
+        if self.adapters is None:
+            raise UnknownAdapter(name)
+        self.adapters.remove(name, self.clock())
+        self.adapters.sweep((job.request.params.adapter for job in self._jobs.values()), self.clock())
+        self._changed()
 
     def poll_leases(self) -> int:
         """Releases the blocks of transfers that finished (acknowledged or failed) or outlived their lease."""
@@ -269,6 +294,8 @@ class PrefillEngine:
             cached_tokens=s.cached_tokens,
             prefix_hit_rate=blocks.prefix_hits / blocks.prefix_queries if blocks.prefix_queries else 0.0,
             tiers=self.tiering.counts() if self.tiering is not None else (),
+            adapters=self.adapters.states() if self.adapters is not None else (),
+            max_loras=self.adapters.max_loras if self.adapters is not None else 0,
             free_blocks=blocks.num_free_blocks,
             total_blocks=blocks.num_blocks,
         )
@@ -279,7 +306,7 @@ class PrefillEngine:
         arch = self.model.arch
         header = KVHeader(
             request_id=request.request_id,
-            fingerprint=self.fingerprint,
+            fingerprint=adapter_fingerprint(self.fingerprint, request.adapter),
             dtype=DTYPE_NAMES[self.runner.kv_cache[0][0].dtype],  # the cache's rows travel as they are
             num_layers=arch.num_layers,
             num_kv_heads=arch.num_kv_heads,

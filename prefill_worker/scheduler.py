@@ -18,13 +18,14 @@ from collections import deque
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.request import Request, ScheduledChunk, Status, StepPlan
+from cluster.engine.request import Request, ScheduledChunk, Status, StepPlan, adapters_fit
 
 
 class PrefillScheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_adapters: int = 0) -> None:
         self.config = config
         self.blocks = blocks
+        self.max_adapters = max_adapters  # distinct LoRA adapters one pass may run (the worker's slots)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet fully computed
         self.held: dict[str, Request] = {}  # prompt computed, blocks kept until `release`
@@ -61,10 +62,14 @@ class PrefillScheduler:
             budget -= chunks[-1].num_new
         while self.waiting and budget > 0 and len(self.prefilling) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.blocks.can_allocate(request.all_token_ids, request.reuses_cache, request.params.cache_salt):
+            if not self.blocks.can_allocate(request.all_token_ids, request.reuses_cache, request.scope):
                 break
-            salt, loaded, request.loaded = request.params.cache_salt, request.loaded, None
-            cached = self.blocks.allocate(request.request_id, request.all_token_ids, request.reuses_cache, salt, loaded)
+            if not adapters_fit(self.prefilling, request, self.max_adapters):
+                break  # its adapter waits for a slot: the batch's adapters fill them
+            scope, loaded, request.loaded = request.scope, request.loaded, None
+            cached = self.blocks.allocate(
+                request.request_id, request.all_token_ids, request.reuses_cache, scope, loaded
+            )
             request.loaded_from = self.blocks.last_filled
             request.num_computed_tokens = request.num_cached_tokens = cached
             self.cached_tokens += cached

@@ -27,10 +27,13 @@ import grpc
 from tandem.v1 import api_pb2, worker_pb2
 
 from cluster.config import AuthConfig, ClusterConfig, TransferConfig
-from cluster.engine.request import logprob_entries
-from cluster.grpc_server import admit_submit
+from cluster.engine.adapters import runtime_reader
+from cluster.engine.request import UnknownAdapter, logprob_entries
+from cluster.grpc_server import adapters_message, admit_submit, refusal_code
 from cluster.kv.transport import TransferState
 from cluster.kv.wire import TransferError
+from cluster.model.arch import ModelArch
+from cluster.model.gguf import model_folder
 from cluster.telemetry import Telemetry, extract, loaded_attributes
 from cluster.worker_shell import WorkerShell
 from prefill_worker.core import Frame, ProcessCore, ThreadCore, build_engine, senders_for
@@ -87,11 +90,11 @@ class PrefillWorker(WorkerShell[Core]):
                     self.engine.add_request, rid, prompt, params, request.decode_target, request.capability,
                     output, request.decode_cached_tokens,
                 )  # fmt: skip
-            except ValueError as e:
+            except (ValueError, UnknownAdapter) as e:
                 done = True  # nothing of it is on the engine
                 with self._lock:
                     self._waiters.pop(rid, None)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(refusal_code(e), str(e))
             try:
                 out, step_start, step_end = await asyncio.wrap_future(waiter)
             except asyncio.CancelledError:
@@ -136,6 +139,8 @@ class PrefillWorker(WorkerShell[Core]):
             wedged=self.watchdog.wedged,
             tier_block_cost={c.tier: c.cost for c in stats.tiers if c.cost is not None},
             tier_hit_blocks={c.tier: c.hits for c in stats.tiers},
+            adapters=adapters_message(stats.adapters),
+            max_loras=stats.max_loras,
         )
 
     # -- internals ---------------------------------------------------------------------------------
@@ -220,4 +225,6 @@ def from_config(config: ClusterConfig, worker_id: str) -> PrefillWorker:
     else:
         core = ThreadCore(build_engine(config), senders_for(config))
     telemetry = Telemetry(config.telemetry, f"tandem-{worker_id}")
-    return PrefillWorker(core, config.transfer, worker_id, telemetry, config.auth, config.scheduler.wedged_after_s)
+    worker = PrefillWorker(core, config.transfer, worker_id, telemetry, config.auth, config.scheduler.wedged_after_s)
+    worker.adapter_reader = runtime_reader(config, ModelArch.from_folder(model_folder(config.model.path)))
+    return worker

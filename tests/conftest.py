@@ -67,6 +67,15 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     return {name: (root / name, write_hf_model(name, root / name)) for name in HF_MODELS}
 
 
+@pytest.fixture(scope="session")
+def lora_models(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny Llama's folder, three PEFT adapters' folders on it, and PEFT's model holding all three
+    (`tests.lora_adapters`)."""
+    from tests.lora_adapters import lora_models
+
+    return lora_models(tmp_path_factory.mktemp("lora"))
+
+
 def drive(engine, requests, after_step=None, after_outputs=None):  # type: ignore[no-untyped-def]
     """Runs `requests` ({id: (prompt ids, SamplingParams)}) through a decode `Engine` together:
     returns every token streamed and the final output, by id. Checks the block manager after every

@@ -6,7 +6,7 @@ before its block, the model and the salt."""
 from __future__ import annotations
 
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.block_names import NAME_BYTES, UNNAMED_MODEL, chain, child, model_root, request_root
+from cluster.engine.block_names import NAME_BYTES, UNNAMED_MODEL, Scope, chain, child, model_root, request_root
 from cluster.engine.kv_events import KVJournal
 from router.placement.prefix_index import PrefixIndex
 
@@ -50,33 +50,39 @@ def test_colliding_prompts_share_no_block_in_the_pool_or_in_routing():
 def test_requests_with_different_salts_share_no_block_and_equal_salts_do():
     prompt = list(range(100, 133))  # two full blocks and one token
     pool = BlockManager(16, BS, journal=(journal := KVJournal()))
-    pool.allocate("tenant-a", prompt, salt="a")
+    pool.allocate("tenant-a", prompt, scope=Scope("a"))
     pool.mark_computed("tenant-a", prompt)
     assert pool.allocate("unsalted", prompt) == 0
-    assert pool.allocate("tenant-b", prompt, salt="b") == 0
-    assert pool.allocate("tenant-a again", prompt, salt="a") == 32
+    assert pool.allocate("tenant-b", prompt, scope=Scope("b")) == 0
+    assert pool.allocate("tenant-a again", prompt, scope=Scope("a")) == 32
     pool.check_integrity()
     index = PrefixIndex()
     index.apply("decode-0", journal.since(None))
-    (salted,) = index.roots("a")
-    (other,) = index.roots("b")
+    (salted,) = index.roots(Scope("a"))
+    (other,) = index.roots(Scope("b"))
     assert index.match(chain(prompt, BS, salted)) == {"decode-0": 2}
     assert index.match(chain(prompt, BS, other)) == {}
     assert index.match(chain(prompt, BS, next(iter(index.roots())))) == {}
 
 
-def test_a_name_covers_the_model_the_salt_and_every_token_before_its_block():
+def test_a_name_covers_the_model_the_adapter_the_salt_and_every_token_before_its_block():
     block = list(range(16))
     root = model_root(b"weights")
-    assert request_root(root) == root and request_root(root, "") == root
+    assert request_root(root) == root and request_root(root, Scope("")) == root
+    adapter = bytes(range(32))
     names = {
         child(root, block),
         child(model_root(b"other weights"), block),
-        child(request_root(root, "a"), block),
-        child(request_root(root, "b"), block),
+        child(request_root(root, Scope("a")), block),
+        child(request_root(root, Scope("b")), block),
+        child(request_root(root, Scope(adapter=adapter)), block),
+        child(request_root(root, Scope(adapter=adapter[::-1])), block),
+        child(request_root(root, Scope("a", adapter)), block),
         chain([99] * 16 + block, BS, root)[1],  # the same block after another one
     }
-    assert len(names) == 5
-    # Tagged, length-prefixed fields: a salt cannot pose as a model, nor one salt's split as another's
-    assert request_root(root, "ab") != request_root(model_root(b"weights" + b"ab"))
+    assert len(names) == 8
+    # Tagged, length-prefixed fields: a salt cannot pose as a model, an adapter as a salt, nor one
+    # salt's split as another's
+    assert request_root(root, Scope("ab")) != request_root(model_root(b"weights" + b"ab"))
+    assert request_root(root, Scope(adapter=b"ab")) != request_root(root, Scope("ab"))
     assert chain([*block, *block], BS, root) == [child(root, block), child(child(root, block), block)]

@@ -52,7 +52,7 @@ def test_an_evicted_turn_loads_from_the_host_tier_and_equals_a_fresh_prefill(mod
     first, _ = one(tiered, history)
     for seed in (2, 3, 4):  # three other 40-token prompts: the 24-block pool lets turn 1's blocks go
         one(tiered, prompt(seed))
-    assert tiered.scheduler.blocks.cached_blocks([*history, *first], "") == 0, "turn 1 is still in the pool"
+    assert tiered.scheduler.blocks.cached_blocks([*history, *first]) == 0, "turn 1 is still in the pool"
     assert tiered.tiering is not None and tiered.tiering.tiers.flush()
     turn_2 = [*history, *first, 9, 8, 7]
     for params in (GREEDY, SEEDED):

@@ -186,6 +186,17 @@ def test_errors_have_openais_shape_and_status(served):
     conn.close()
 
 
+def test_loading_an_adapter_while_serving_is_refused_unless_the_config_allows_it(served):
+    base, _, _, _ = served
+    conn, response = raw(base, "POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"})
+    error = json.loads(response.read())["error"]
+    assert response.status == 400 and "lora.runtime_loading" in error["message"]
+    conn.close()
+    conn, response = raw(base, "POST", "/v1/unload_lora_adapter", {"lora_path": "/nowhere"})
+    assert response.status == 400 and json.loads(response.read())["error"]["param"] == "lora_name"
+    conn.close()
+
+
 def test_overload_is_429_with_retry_after_before_any_stream(served):
     base, _, _, router = served
     stop = threading.Event()

@@ -58,7 +58,7 @@ EXAMPLES: dict[str, Any] = {
     "messages[].content[].prompt_cache_breakpoint": {"mode": "explicit"},
 }  # fmt: skip
 EXAMPLES_BY_ENDPOINT = {"/v1/completions": {"logprobs": 2}, "/v1/chat/completions": {"logprobs": True}}
-# Honoured by the HTTP layer rather than the plan: the model's name is checked there (404).
+# Honoured by the HTTP layer rather than the plan: the model or adapter it names (unknown: 404).
 HTTP_ONLY = {"model"}
 
 

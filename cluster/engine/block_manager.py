@@ -15,8 +15,8 @@ to them ("evicted": as each is evicted; "computed": as each is registered), take
 fresh blocks with KV loaded from the tiers, taken with `take_fills()` before the step that reads them.
 
 Blocks are reference-counted. A full block whose KV has been computed is keyed by its name
-(`cluster.engine.block_names`: a digest of the model, the request's `cache_salt`, and every token up
-to the block's end), so sequences with an equal prompt prefix and salt share those blocks. A lookup
+(`cluster.engine.block_names`: a digest of the model, the request's adapter and `cache_salt`, and every
+token up to the block's end), so sequences with an equal prompt prefix and scope share those blocks. A lookup
 never covers a sequence's last token, so the position a step computes always lands in a block of
 its own. A freed block keeps its contents and name while
 it sits in the free queue; it is reused by a later hit, or evicted (least recently freed first)
@@ -35,7 +35,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.engine.block_names import UNNAMED_MODEL, chain, child, request_root
+from cluster.engine.block_names import BASE, UNNAMED_MODEL, Scope, chain, child, request_root
 from cluster.engine.kv_events import KVJournal
 
 
@@ -99,7 +99,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block name -> block id
         self._tables: dict[Hashable, list[int]] = {}
         self._names: dict[Hashable, list[bytes]] = {}  # the names of each sequence's full blocks
-        self._roots: dict[Hashable, bytes] = {}  # each sequence's root (its salt's)
+        self._roots: dict[Hashable, bytes] = {}  # each sequence's root (its scope's)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -119,17 +119,17 @@ class BlockManager:
     def __contains__(self, seq: Hashable) -> bool:
         return seq in self._tables
 
-    def can_allocate(self, tokens: Sequence[int], reuse: bool = True, salt: str = "") -> bool:
+    def can_allocate(self, tokens: Sequence[int], reuse: bool = True, scope: Scope = BASE) -> bool:
         """Whether `tokens` fit, counting cached blocks (unless `reuse` is false) and leaving the
         watermark free."""
-        hits = self._lookup(tokens[:-1], request_root(self.root, salt)) if reuse else []
+        hits = self._lookup(tokens[:-1], request_root(self.root, scope)) if reuse else []
         in_use = sum(1 for b in hits if self._blocks[b].ref_count > 0)
         needed = self._blocks_for(len(tokens)) - in_use
         return len(self._free) - needed >= self.watermark_blocks
 
-    def cached_blocks(self, tokens: Sequence[int], salt: str = "") -> int:
+    def cached_blocks(self, tokens: Sequence[int], scope: Scope = BASE) -> int:
         """How many leading full blocks of `tokens` (never the last token) the pool holds now."""
-        return self.held_run(chain(tokens[:-1], self.block_size, request_root(self.root, salt)))
+        return self.held_run(chain(tokens[:-1], self.block_size, request_root(self.root, scope)))
 
     def held_run(self, names: Sequence[bytes]) -> int:
         """How many of the block `names`, from the first, the pool holds now."""
@@ -147,17 +147,22 @@ class BlockManager:
     # -- changes ---------------------------------------------------------------------------------
 
     def allocate(
-        self, seq: Hashable, tokens: Sequence[int], reuse: bool = True, salt: str = "", loaded: Loaded | None = None
+        self,
+        seq: Hashable,
+        tokens: Sequence[int],
+        reuse: bool = True,
+        scope: Scope = BASE,
+        loaded: Loaded | None = None,
     ) -> int:
         """Gives `seq` blocks for `tokens`; returns how many leading tokens are already cached
         (none when `reuse` is false: every block is fresh, and is registered as its KV is computed).
-        Only blocks named under the same `salt` are shared. `loaded` KV (from the tiers) fills the
+        Only blocks named in the same `scope` are shared. `loaded` KV (from the tiers) fills the
         blocks after the pool's run, where it starts at or before the run's end."""
         if seq in self._tables:
             raise ValueError(f"sequence {seq!r} already has blocks")
         if not tokens:
             raise ValueError("cannot allocate an empty sequence")
-        root = request_root(self.root, salt)
+        root = request_root(self.root, scope)
         hits = self._lookup(tokens[:-1], root) if reuse else []
         self.prefix_queries += len(tokens) // self.block_size if reuse else 0
         self.prefix_hits += len(hits)

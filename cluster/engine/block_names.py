@@ -3,13 +3,15 @@ prefix index and the KV tiers.
 
 A block's name is 16 bytes of SHA-256 over its parent's name and its own token ids. The first block's
 parent is the request's root: the model's root (SHA-256 of the model fingerprint, so two sets of
-weights never share a name) or, for a request with a `cache_salt`, a root derived from the model's
-and the salt. Every input is a tagged, length-prefixed field, so no field can pose as another and no
-salt as a token run. Equal names mean equal weights, equal salt and equal tokens from the first: a
-prompt cannot be built to take another's KV (a 64-bit non-cryptographic hash can be), and requests
-with different salts share no block, so a shared prefix cache times nothing across tenants.
+weights never share a name), or one derived from it and the request's `Scope`: the LoRA adapter it runs
+through (by the digest of the adapter's files) and its `cache_salt`. Every input is a tagged,
+length-prefixed field, so no field can pose as another and no salt as a token run. Equal names mean
+equal weights, equal adapter, equal salt and equal tokens from the first: a prompt cannot be built to
+take another's KV (a 64-bit non-cryptographic hash can be), requests through different adapters never
+share KV, and requests with different salts share no block, so a shared prefix cache times nothing
+across tenants.
 
-    root = request_root(model_root(fingerprint), cache_salt)
+    root = request_root(model_root(fingerprint), Scope(cache_salt, adapter_digest))
     names = chain(token_ids, block_size, root)     # one per full block, in order
 """
 
@@ -19,6 +21,7 @@ import functools
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 NAME_BYTES = 16  # 128 bits: a collision takes about 2**64 tries, a chosen prefix's second name 2**128
 UNNAMED_MODEL = bytes(NAME_BYTES)  # the root of a pool told no fingerprint (unit tests, the planner)
@@ -37,9 +40,22 @@ def model_root(fingerprint: bytes) -> bytes:
     return _name(b"tandem.kv.model", fingerprint)
 
 
-def request_root(root: bytes, cache_salt: str = "") -> bytes:
-    """The root of a request with this `cache_salt` ("" shares the model's root)."""
-    return _name(b"tandem.kv.salt", root, cache_salt.encode()) if cache_salt else root
+@dataclass(frozen=True)
+class Scope:
+    """What a request's KV depends on besides the model and its tokens."""
+
+    cache_salt: str = ""  # "": shared with every request without one
+    adapter: bytes = b""  # the LoRA adapter's digest (`cluster.model.lora.Adapter.digest`); b"": the base model
+
+
+BASE = Scope()
+
+
+def request_root(root: bytes, scope: Scope = BASE) -> bytes:
+    """The root of a request in `scope` under the model's `root` (the base model unsalted keeps it)."""
+    if scope.adapter:
+        root = _name(b"tandem.kv.adapter", root, scope.adapter)
+    return _name(b"tandem.kv.salt", root, scope.cache_salt.encode()) if scope.cache_salt else root
 
 
 def child(parent: bytes, tokens: Sequence[int]) -> bytes:

@@ -30,6 +30,16 @@ class TierCounts:
 
 
 @dataclass(frozen=True)
+class AdapterState:
+    """A LoRA adapter an engine serves, as its load reports it."""
+
+    name: str
+    digest: bytes
+    resident: bool  # in one of the model's slots now
+    retiring: bool = False  # unloaded: finishing what is in flight, taking nothing new
+
+
+@dataclass(frozen=True)
 class Occupancy:
     """A decode engine's load at one moment."""
 
@@ -42,6 +52,8 @@ class Occupancy:
     prefix_hits: int = 0
     prefix_queries: int = 0
     tiers: tuple[TierCounts, ...] = ()  # the KV tiers', when `cache.tiers` names any
+    adapters: tuple[AdapterState, ...] = ()  # with LoRA
+    max_loras: int = 0  # adapters its slots hold at once
 
     @property
     def kv_usage(self) -> float:

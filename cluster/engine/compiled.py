@@ -26,6 +26,7 @@ import torch
 from cluster.model import cpu_kernels
 from cluster.model.attention import KVCache, SeqChunk, build_attention_metadata
 from cluster.model.causal_lm import CausalLM
+from cluster.model.lora import LoraBatch, LoraSlots
 
 
 class CompiledDecode:
@@ -45,14 +46,17 @@ class CompiledDecode:
             torch.compiler.assume_constant_result(probe)
         self._forward = torch.compile(self._logits, mode="max-autotune", fullgraph=True, dynamic=False)
 
-    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        return self.model.compute_logits(self.model(ids, positions, kv_cache, meta))
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta, lora) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return self.model.compute_logits(self.model(ids, positions, kv_cache, meta, lora=lora))
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
-    def __call__(self, input_ids: Sequence[int], chunks: Sequence[SeqChunk], kv_cache: KVCache) -> torch.Tensor:
-        """Logits [len(chunks), vocab] (float32) for a step of decode rows (one new token each)."""
+    def __call__(
+        self, input_ids: Sequence[int], chunks: Sequence[SeqChunk], kv_cache: KVCache, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
+        """Logits [len(chunks), vocab] (float32) for a step of decode rows (one new token each), each
+        row through its adapter in `lora` (a graph of its own per bucket: the base model's has none)."""
         n = len(chunks)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         padding = [SeqChunk((self.scratch_block,), 0, 1)] * (bucket - n)
@@ -65,9 +69,11 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(mask, 3)
         self.steps += 1
         ids = torch.tensor([*input_ids, *([0] * (bucket - n))], dtype=torch.long, device=device)
+        if lora is not None:
+            lora = lora.padded(bucket)
         if self._warm:  # every graph is built: inductor's settings no longer matter
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._forward(ids, meta.positions, kv_cache, meta)[:n]
+                return self._forward(ids, meta.positions, kv_cache, meta, lora)[:n]
         import torch._inductor.config as inductor_config  # here: importing inductor takes a second
 
         with inductor_config.patch(
@@ -80,12 +86,15 @@ class CompiledDecode:
             alignment_asserts=False,
             scalar_asserts=False,
         ):
-            return self._forward(ids, meta.positions, kv_cache, meta)[:n]
+            return self._forward(ids, meta.positions, kv_cache, meta, lora)[:n]
 
     @torch.inference_mode()
-    def warm_up(self, kv_cache: KVCache) -> None:
-        """Compiles every bucket now, on dummy sequences in the scratch block."""
+    def warm_up(self, kv_cache: KVCache, slots: LoraSlots | None = None) -> None:
+        """Compiles every bucket now, on dummy sequences in the scratch block; with LoRA `slots`, each
+        bucket's graph with adapter rows too."""
         for bucket in self.buckets:
             chunks = [SeqChunk((self.scratch_block,), 0, 1)] * bucket
             self(list(range(bucket)), chunks, kv_cache)
+            if slots is not None:
+                self(list(range(bucket)), chunks, kv_cache, slots.batch(torch.full((bucket,), -1)))
         self._warm = True

@@ -154,6 +154,19 @@ class CorePipe:
         """An answer came (before its caller, if any, wakes)."""
 
 
+class AdapterCalls:
+    """A core handle's `load_adapter` and `unload_adapter`: calls to its engine like any other (over a
+    pipe, an adapter's tensors travel by value or through shared memory)."""
+
+    _send: Callable[..., Any]  # the handle's call to its engine
+
+    def load_adapter(self, adapter: Any) -> None:
+        self._send("load_adapter", adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        self._send("unload_adapter", name)
+
+
 class Outbox:
     """The core's messages to its front, in order, sent by a thread of their own: a frame's pickling,
     and its write (which waits while the front reads the frame before), overlap the next step

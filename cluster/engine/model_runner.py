@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.config import CacheConfig
+from cluster.engine.adapters import Adapters
 from cluster.engine.block_manager import kv_block_bytes, num_blocks_for_budget
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.request import Request, ScheduledChunk, StepPlan
@@ -66,6 +67,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         grammars: Grammars | None = None,
         shared_kv: bool = False,
+        adapters: Adapters | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -80,6 +82,7 @@ class ModelRunner:
         self.compiled = compiled
         self.eos_token_ids = tuple(eos_token_ids)  # suppressed before a request's min_tokens
         self.grammars = grammars  # computes structured output's masks in `run`
+        self.adapters = adapters  # LoRA: each chunk's rows through its request's adapter
         if self.device.type == "cpu":
             cpu_kernels.available()  # build (or load) the CPU kernels now, not in the first decode step
 
@@ -175,13 +178,14 @@ class ModelRunner:
                 rows.extend(range(end - 1 - len(c.draft), end))
             chunks.append(SeqChunk(c.block_table, c.start, c.num_new))
             input_ids.extend(c.input_token_ids)
+        lora = self.adapters.batch(plan.chunks) if self.adapters is not None else None
         if after_layer is None and len(rows) == len(input_ids):
             chunks = as_decode_rows(chunks)
             if self.compiled is not None and self.compiled.fits(len(chunks)):
-                return self.compiled(input_ids, chunks, self.kv_cache).cpu()
+                return self.compiled(input_ids, chunks, self.kv_cache, lora).cpu()
         meta = build_attention_metadata(chunks, self.block_size, self.model.windows, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta.positions, self.kv_cache, meta, after_layer)
+        hidden = self.model(ids, meta.positions, self.kv_cache, meta, after_layer, lora)
         self._score_prompts(plan, hidden)
         if not rows:
             return None

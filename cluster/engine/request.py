@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.v1 import api_pb2
 
+from cluster.config import MAX_ADAPTER_NAME
+from cluster.engine.block_names import Scope
+
 if TYPE_CHECKING:
     from cluster.engine.block_manager import Loaded
 
@@ -70,6 +73,7 @@ class SamplingParams:
     early_stopping: str = "false"  # beam search: "true", "false" (heuristic) or "never"
     structured: Constraint | None = None  # the output must match this
     cache_salt: str = ""  # KV is shared only between requests with the same salt ("" among themselves)
+    adapter: str = ""  # the LoRA adapter the request runs through, by name; "": the base model
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,6 +91,7 @@ class SamplingParams:
             (self.num_beams >= 1, "num_beams must be >= 1"),
             (self.early_stopping in ("true", "false", "never"), 'early_stopping must be "true", "false" or "never"'),
             (len(self.cache_salt) <= MAX_CACHE_SALT, f"cache_salt must be at most {MAX_CACHE_SALT} characters"),
+            (len(self.adapter) <= MAX_ADAPTER_NAME, f"adapter must be at most {MAX_ADAPTER_NAME} characters"),
         ]
         if self.structured is not None:
             checks += [
@@ -130,6 +135,7 @@ def params_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
         cache_salt=p.cache_salt,
+        adapter=p.adapter,
     )
     if p.seed is not None:
         m.seed = p.seed
@@ -212,6 +218,7 @@ def params_from_proto(m: api_pb2.SamplingParams) -> SamplingParams:
         early_stopping={v: k for k, v in EARLY_STOPPING.items()}[m.early_stopping],
         structured=constraint_from_proto(m.structured) if m.HasField("structured") else None,
         cache_salt=m.cache_salt,
+        adapter=m.adapter,
     )
 
 
@@ -244,6 +251,12 @@ class Request:
     num_prompt_logprobs: int = 0  # entries computed so far (those handed out included)
     loaded: Loaded | None = None  # KV of its prompt's blocks read from the tiers, used at admission
     loaded_from: tuple[str, ...] = ()  # the tier of each prompt block it took from them
+    adapter: bytes = b""  # its adapter's digest, which the engine resolves from `params.adapter`
+
+    @property
+    def scope(self) -> Scope:
+        """What its KV's block names depend on besides the tokens (`cluster.engine.block_names`)."""
+        return Scope(self.params.cache_salt, self.adapter)
 
     def take_prompt_logprobs(self) -> list[tuple[int, TokenLogprob]]:
         """The prompt logprobs scored and not taken yet, as (prompt token, its entry); the output
@@ -286,6 +299,27 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+class UnknownAdapter(LookupError):
+    """A request named an adapter this engine has not loaded."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"adapter {self.name!r} is not loaded"
+
+
+def adapters_fit(running: Iterable[Request], request: Request, max_adapters: int) -> bool:
+    """Whether `running` and `request` together run through at most `max_adapters` distinct LoRA
+    adapters (the slots a worker holds; the base model takes none)."""
+    name = request.params.adapter
+    if not name:
+        return True
+    names = {r.params.adapter for r in running} - {""}
+    return name in names or len(names) < max_adapters
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,8 @@ class Tiering:
     def park(self, request: Request) -> bool:
         if not request.reuses_cache:
             return False
-        tokens, salt = request.all_token_ids, request.params.cache_salt
-        names = chain(tokens[:-1], self.blocks.block_size, request_root(self.blocks.root, salt))  # named once
+        tokens = request.all_token_ids
+        names = chain(tokens[:-1], self.blocks.block_size, request_root(self.blocks.root, request.scope))  # named once
         first = self.blocks.held_run(names)
         names = names[first:]
         kinds = self._worth_loading() if names else []
@@ -158,6 +158,10 @@ class Tiering:
                 request.loaded = Loaded(first, run.payloads, tuple(run.sources))
             done.append(request)
         return done
+
+    def adapters(self) -> set[str]:
+        """The LoRA adapters the parked requests run through."""
+        return {request.params.adapter for request, _, _ in self._parked.values()}
 
     def abort(self, request_id: str) -> Request | None:
         """Takes a parked request out (its load, if still running, is left to end)."""

@@ -305,3 +305,10 @@ def model_fingerprint(model: torch.nn.Module, arch: object) -> bytes:
         digest.update(f"{name}:{DTYPE_NAMES.get(tensor.dtype, tensor.dtype)}:{tuple(tensor.shape)}".encode())
         digest.update(tensor_bytes(tensor))
     return digest.digest()
+
+
+def adapter_fingerprint(fingerprint: bytes, adapter: bytes) -> bytes:
+    """What a transfer's header carries for KV computed through the LoRA adapter with digest `adapter`
+    (b"": the base model, whose KV carries the model's own fingerprint): a receiver whose adapter of
+    that name has other weights refuses it."""
+    return hashlib.sha256(b"tandem.kv.adapter" + fingerprint + adapter).digest() if adapter else fingerprint

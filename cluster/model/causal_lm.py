@@ -21,6 +21,7 @@ from torch import nn
 from cluster.model import cpu_kernels
 from cluster.model.arch import ModelArch, RopeConfig
 from cluster.model.attention import AttentionMetadata, KVCache, paged_attention
+from cluster.model.lora import LayerLora, LoraBatch
 
 # Compiled CPU products with at most this many rows are written as reductions where the CPU
 # kernels are missing (see `Linear`).
@@ -115,13 +116,15 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x) if lora is None else lora.add(self.qkv_proj(x), x, "qkv")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, heads, hd]
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kv_heads, hd]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv, meta, self.scale, self.window)  # [T, heads * hd]
-        return self.o_proj(out)
+        return self.o_proj(out) if lora is None else lora.add(self.o_proj(out), out, "o")
 
 
 class MLP(nn.Module):
@@ -131,9 +134,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
         self.down_proj = Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = lora.add(self.gate_up_proj(x), x, "gate_up").split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        return lora.add(self.down_proj(h), h, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -144,9 +151,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos, sin, kv, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv, meta, lora=None):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class CausalLM(nn.Module):
@@ -177,13 +184,14 @@ class CausalLM(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         after_layer: Callable[[int], None] | None = None,  # told when each layer's KV is in the cache
+        lora: LoraBatch | None = None,  # the adapters' updates, each token row through its own
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2], float32
         cos = torch.cat((freqs, freqs), dim=-1)[:, None, :].cos().to(x.dtype)  # [T, 1, hd]
         sin = torch.cat((-freqs, freqs), dim=-1)[:, None, :].sin().to(x.dtype)  # -sin, then sin
         for i, (layer, kv) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, meta, None if lora is None else lora.layer(i))
             if after_layer is not None:
                 after_layer(i)
         return self.norm(x)

@@ -2,6 +2,7 @@
 
     POST /v1/completions   POST /v1/chat/completions   POST /v1/responses   (all with "stream": true as SSE)
     GET  /v1/models              GET  /health                   GET /metrics
+    POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter  (vLLM's; with lora.runtime_loading)
 
 Every completion becomes `tandem.v1.Generate` calls on the router's own gRPC port (one per choice,
 `n` of them), with the client's `Authorization` header passed along: validation, authentication,
@@ -24,9 +25,9 @@ import grpc
 import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.v1 import api_pb2_grpc
+from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from router.openai.fields import FieldError
 from router.openai.request import Plan, chat_plan, completion_plan
@@ -39,6 +40,8 @@ STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
@@ -108,9 +111,7 @@ def create_app(grpc_target: str, model: str, registry: Any = None, channel_crede
             return Response(status_code=404)
         return Response(prometheus_client.generate_latest(registry), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "tandem"}]}
+    _model_routes(app, state, stub, model)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -146,7 +147,8 @@ async def _complete(
 ) -> Response:
     plan, calls, firsts = await _start(stub, http, body, model, read)
     echoes = [_echo(plan, index // plan.n, first) for index, first in enumerate(firsts)]
-    reply = Reply(("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), model, plan, echoes)
+    served = body.get("model") or model  # the adapter's name, when the body named one
+    reply = Reply(("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), served, plan, echoes)
     if plan.stream:
         return StreamingResponse(stream(calls, firsts, reply), media_type="text/event-stream")
     return JSONResponse(await _collected(calls, firsts, reply))
@@ -155,6 +157,7 @@ async def _complete(
 async def _respond(stub: api_pb2_grpc.TandemStub, http: Request, body: dict[str, Any], model: str) -> Response:
     """A Responses API body, run as the chat completion it stands for."""
     plan, calls, firsts = await _start(stub, http, body, model, lambda body: chat_plan(chat_body(body)))
+    model = body.get("model") or model  # the adapter's name, when the body named one
     rid = "resp_" + uuid.uuid4().hex
     if plan.stream:
         return StreamingResponse(events(rid, body, model, plan, calls[0], firsts[0]), media_type="text/event-stream")
@@ -178,16 +181,18 @@ async def _start(
     read: Callable[[dict[str, Any]], Plan],
 ) -> tuple[Plan, list[Any], list[Any]]:
     """The body's plan, its calls started, and each call's first message: a refusal (a bad field,
-    a gRPC error before any token) is an HTTP error, every call cancelled."""
-    if body.get("model") not in (None, model):
-        raise HTTPError(
-            404, "not_found_error", f"model {body.get('model')!r} is not served here (try {model!r})", "model"
-        )
+    a gRPC error before any token) is an HTTP error, every call cancelled. A `model` other than the
+    served model's name names a LoRA adapter (the router answers NOT_FOUND, a 404, if none serves it)."""
+    named = body.get("model")
+    if named is not None and (not isinstance(named, str) or not named):
+        raise HTTPError(400, "invalid_request_error", "model must be a non-empty string", "model")
     try:
         plan = read(body)
     except FieldError as e:
         raise HTTPError(400, "invalid_request_error", e.message, e.param) from None
-    metadata = [("authorization", http.headers["authorization"])] if "authorization" in http.headers else []
+    for request in plan.requests:
+        request.sampling.adapter = "" if named in (None, model) else named
+    metadata = _credentials(http)
     calls = [stub.Generate(request, metadata=metadata) for request in plan.requests for _ in range(plan.n)]
     firsts = []
     try:
@@ -198,6 +203,56 @@ async def _start(
             call.cancel()
         raise _from_rpc(e) from None
     return plan, calls, firsts
+
+
+def _model_routes(app: FastAPI, state: dict[str, Any], stub: Callable[[], Any], model: str) -> None:
+    """`/v1/models`, and vLLM's endpoints for LoRA adapters while serving (the router's Admin service)."""
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        """The served model, and each LoRA adapter the workers serve with the model as its parent."""
+        try:
+            info = await stub().GetModelInfo(api_pb2.GetModelInfoRequest(), metadata=_credentials(request))
+        except grpc.RpcError as e:
+            raise _from_rpc(e) from None
+        base = {"id": model, "object": "model", "created": 0, "owned_by": "tandem", "root": model, "parent": None}
+        return {"object": "list", "data": [base, *({**base, "id": a, "parent": model} for a in info.adapters)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: every worker reads `lora_path` and serves `lora_name` (needs lora.runtime_loading)."""
+        body = await _json(request)
+        name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+        await _admin(state, stub, "LoadAdapter", worker_pb2.LoadAdapterRequest(name=name, path=path), request)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: new requests through `lora_name` are refused; running ones finish."""
+        name = _text_field(await _json(request), "lora_name")
+        await _admin(state, stub, "UnloadAdapter", worker_pb2.UnloadAdapterRequest(name=name), request)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _text_field(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise HTTPError(400, "invalid_request_error", f"{name} must be a non-empty string", name)
+    return value
+
+
+async def _admin(state: dict[str, Any], stub: Callable[[], Any], method: str, message: Any, http: Request) -> Any:
+    """A call to the router's Admin service on the channel the app's Tandem stub uses."""
+    stub()  # the channel, made once
+    try:
+        return await getattr(worker_pb2_grpc.AdminStub(state["channel"]), method)(message, metadata=_credentials(http))
+    except grpc.RpcError as e:
+        raise _from_rpc(e) from None
+
+
+def _credentials(http: Request) -> list[tuple[str, str]]:
+    """The caller's API key, passed on to the router."""
+    return [("authorization", http.headers["authorization"])] if "authorization" in http.headers else []
 
 
 def _echo(plan: Plan, prompt: int, first: Any) -> str:

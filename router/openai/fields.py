@@ -89,7 +89,7 @@ MESSAGE = {
 }
 
 OPENAI = {  # OpenAI's fields that both endpoints have
-    "model": honoured("the served model's name (another is 404)"),
+    "model": honoured("the served model's name, or a LoRA adapter's (`/v1/models` lists them; another is 404)"),
     "n": honoured("1 to 16 choices, sharing the prompt's cached KV blocks"),
     "stream": honoured("server-sent events ending in data: [DONE]"),
     "stream_options": honoured("only with stream: true", STREAM_OPTIONS),

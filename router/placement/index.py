@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.v1 import worker_pb2
 
-from cluster.engine.block_names import chain
+from cluster.engine.block_names import Scope, chain
 from router.placement.placement import Choice, NoCapacity, NoneInView, Ring, best_holder, cheapest_decode
 from router.placement.prefix_index import PrefixIndex
 from router.placement.tier_index import SHARED
@@ -105,12 +105,18 @@ class LoadIndex:
         local_prefill_max_tokens: int,
         queue_slack_tokens: int = 2048,
         cache_salt: str = "",
+        adapter: str = "",
     ) -> Choice:
-        chains = self._chains(prompt, block_size, cache_salt)
+        """Where a request runs. With `adapter`, only workers serving it are chosen, a decode worker
+        holding it in a slot first (`_choose_decode`); `NoAdapter` when no decode worker serves it."""
+        scope = Scope(cache_salt, self.adapter_digest(adapter)) if adapter else Scope(cache_salt)
+        chains = self._chains(prompt, block_size, scope)
         with self._lock:
             now = self.clock()
             needed = -(-(len(prompt) + max_tokens) // block_size)
-            decode = self._choose_decode(needed, now)
+            decode = self._choose_decode(needed, now, adapter)
+            if adapter and not all(_serves(self._loads[n], adapter) for _, n in self._prefill):
+                return self._adapter_prefill(decode, adapter, len(prompt), local_prefill_max_tokens)
             pool = {n: held for n, held in self._match(chains).items() if n in self._keys and not self._stale(n, now)}
             matches, shared_run = self._reach(chains, pool)  # with what each could load from the KV tiers
             if matches or shared_run:
@@ -173,12 +179,12 @@ class LoadIndex:
                 return Choice(decode, None, "local:no-prefill-worker")
             return Choice(decode, rng.choice(prefills), "remote:random")
 
-    def _chains(self, prompt: Sequence[int], block_size: int, cache_salt: str) -> list[list[bytes]]:
+    def _chains(self, prompt: Sequence[int], block_size: int, scope: Scope) -> list[list[bytes]]:
         """The prompt's block names under each root the workers reported, named outside the lock."""
         if self.prefix is None:
             return []
         with self._lock:
-            roots = self.prefix.roots(cache_salt)
+            roots = self.prefix.roots(scope)
         return [chain(prompt, block_size, root) for root in roots]
 
     # -- internals (under the lock) ----------------------------------------------------------------
@@ -212,10 +218,26 @@ class LoadIndex:
                 matches[worker] = max(held, matches.get(worker, 0))
         return matches
 
-    def _choose_decode(self, needed: int, now: float) -> str:
+    def adapter_names(self) -> list[str]:
+        """Every LoRA adapter a worker in view serves, sorted."""
+        with self._lock:
+            return sorted({a.name for load in self._loads.values() for a in load.adapters if not a.retiring})
+
+    def adapter_digest(self, adapter: str) -> bytes:
+        """The digest the workers report for `adapter` (its KV's scope); `NoAdapter` if none serves it."""
+        with self._lock:
+            for load in self._loads.values():
+                for a in load.adapters:
+                    if a.name == adapter and not a.retiring:
+                        return a.digest
+        raise NoAdapter(adapter)
+
+    def _choose_decode(self, needed: int, now: float, adapter: str = "") -> str:
         """The lightest decode worker with `needed` blocks free, else the lightest that can hold
-        them at all: the first such in the decode order, so usually its first entry."""
-        fallback, stale, fresh = None, [], 0
+        them at all: the first such in the decode order, so usually its first entry. With `adapter`,
+        of the workers serving it, one holding it in a slot wins over one with a slot free, and that
+        one over one that must write a slot over; the lighter wins within each."""
+        fallback, stale, fresh, best = None, [], 0, None
         try:
             for _, _, name in self._decode:
                 if self._stale(name, now):
@@ -223,18 +245,39 @@ class LoadIndex:
                     continue
                 fresh += 1
                 load = self._loads[name]
+                if adapter and not _serves(load, adapter):
+                    continue
                 if load.free_kv_blocks >= needed and load.total_kv_blocks >= needed:
-                    return name
-                if fallback is None and load.total_kv_blocks >= needed:
+                    if not adapter:
+                        return name
+                    rank = _affinity(load, adapter)
+                    if best is None or rank < best[0]:
+                        best = (rank, name)
+                    if rank == 0:
+                        break
+                elif fallback is None and load.total_kv_blocks >= needed:
                     fallback = name
         finally:
             for name in stale:
                 self._set_aside(name)
+        if best is not None:
+            return best[1]
         if not fresh:
             raise NoneInView(f"no decode worker has reported in the last {self.stale_after_s:g} s")
+        if adapter and fallback is None and not any(_serves(self._loads[n], adapter) for _, _, n in self._decode):
+            raise NoAdapter(adapter)
         if fallback is None:
             raise NoCapacity(f"no decode worker can hold {needed} KV blocks")
         return fallback
+
+    def _adapter_prefill(self, decode: str, adapter: str, prompt_len: int, local_max: int) -> Choice:
+        """Where a request through an adapter only some prefill workers serve is prefilled: the one
+        of them with the shortest queue, or the decode worker itself."""
+        if prompt_len > local_max:
+            for _, name in self._prefill:
+                if _serves(self._loads[name], adapter):
+                    return Choice(decode, name, "remote:shortest-queue")
+        return Choice(decode, None, "local:adapter" if prompt_len > local_max else "local:short-prompt")
 
     def _stale(self, name: str, now: float) -> bool:
         return now - self._seen[name] > self.stale_after_s
@@ -269,6 +312,27 @@ class LoadIndex:
         self._set_aside(name)
         self._loads.pop(name, None)
         self._seen.pop(name, None)
+
+
+class NoAdapter(LookupError):
+    """No worker in view serves the LoRA adapter a request names."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"no worker serves adapter {self.name!r}"
+
+
+def _serves(load: worker_pb2.WorkerLoad, adapter: str) -> bool:
+    return any(a.name == adapter and not a.retiring for a in load.adapters)
+
+
+def _affinity(load: worker_pb2.WorkerLoad, adapter: str) -> int:
+    """0: `adapter` sits in one of the worker's slots; 1: a slot is free; 2: one must be written over."""
+    resident = [a.name for a in load.adapters if a.resident]
+    return 0 if adapter in resident else 1 if len(resident) < load.max_loras else 2
 
 
 def _key(load: worker_pb2.WorkerLoad, name: str) -> tuple | None:

@@ -7,7 +7,7 @@ Lifecycle of a worker's entries:
                            order: a batch that does not follow the last one (a gap) is refused,
                            and the caller resynchronises (a new watch stream starts with a snapshot)
     drop(worker)           its stream broke or it left: its entries go at once
-    roots(salt)            the roots of a request's names, one per model the workers reported
+    roots(scope)           the roots of a request's names, one per model the workers reported
     match(names)           per worker, how many of the prompt's leading blocks it holds
 
 Memory is bounded: at most `max_blocks` distinct blocks, the least recently stored or matched
@@ -22,7 +22,7 @@ import collections
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from cluster.engine.block_names import request_root
+from cluster.engine.block_names import BASE, Scope, request_root
 from router.placement.tier_index import Tier, TierIndex
 
 
@@ -92,10 +92,10 @@ class PrefixIndex:
             else:
                 del self._holders[name]
 
-    def roots(self, salt: str = "") -> set[bytes]:
-        """The roots a request with this `cache_salt` has under each model the workers reported: one
-        when they serve one model. `block_names.chain` names a prompt's blocks from each."""
-        return {request_root(root, salt) for root in self._roots.values()}
+    def roots(self, scope: Scope = BASE) -> set[bytes]:
+        """The roots a request in `scope` (its adapter, its `cache_salt`) has under each model the workers
+        reported: one when they serve one model. `block_names.chain` names a prompt's blocks from each."""
+        return {request_root(root, scope) for root in self._roots.values()}
 
     def match(self, names: Sequence[bytes]) -> dict[str, int]:
         """For each worker holding the prompt's first block, how many leading blocks it holds."""

@@ -34,6 +34,7 @@ from router.sdk.constraints import Choice, Grammar, JsonObject, JsonSchema, Rege
 from router.sdk.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     TandemError,
     Unauthenticated,
@@ -54,6 +55,7 @@ __all__ = [
     "JsonObject",
     "JsonSchema",
     "Logprob",
+    "NotFound",
     "Regex",
     "ResourceExhausted",
     "TandemError",

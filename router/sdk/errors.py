@@ -18,6 +18,10 @@ class InvalidArgument(TandemError):
     """The request was refused as invalid; the message names the field."""
 
 
+class NotFound(TandemError):
+    """The request named something the cluster does not serve (a LoRA adapter); the message names it."""
+
+
 class ResourceExhausted(TandemError):
     """The cluster is full right now; retry later."""
 
@@ -36,6 +40,7 @@ class Unauthenticated(TandemError):
 
 _ERRORS: dict[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

@@ -31,6 +31,7 @@ from cluster.auth import mint_capability
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import SamplingParams, params_to_proto
 from cluster.telemetry import Telemetry
+from router.placement.index import NoAdapter
 from router.placement.placement import Choice, NoCapacity, NoneInView
 from router.placement.view import WorkerView
 from router.service.links import OnWorker, StepLinks, in_intervals
@@ -85,6 +86,9 @@ class Dispatcher:
         except NoCapacity as e:
             stream.status = "rejected"
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except NoAdapter as e:
+            stream.status = "rejected"
+            raise Abort(grpc.StatusCode.NOT_FOUND, str(e)) from None
         placed = await self._announce(choice, stream, context, trace_context)
         root = trace.get_current_span(trace_context)
         carried = dict(trace_metadata(trace_context))  # the trace context, for the workers
@@ -101,7 +105,7 @@ class Dispatcher:
                     choice = await self.place(stream.prompt + generated, rest, s.migration_wait_s)
                     if not trusted:  # the decode worker may have evicted what the index says it holds
                         choice = dataclasses.replace(choice, decode_blocks=0)
-                except NoCapacity as e:
+                except (NoCapacity, NoAdapter) as e:
                     raise Abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}") from None
             tokens = (stream.prompt, generated)
             if (stream.chunks or generated) and params.prompt_logprobs is not None:
@@ -168,7 +172,9 @@ class Dispatcher:
             try:
                 if s.prefix_routing == "random":
                     return self.view.index.choose_random(prompt, max_tokens, s.block_size, local, self._rng)
-                return self.view.index.choose(prompt, max_tokens, s.block_size, local, cache_salt=params.cache_salt)
+                return self.view.index.choose(
+                    prompt, max_tokens, s.block_size, local, cache_salt=params.cache_salt, adapter=params.adapter
+                )
             except NoCapacity as e:
                 if not rediscovered:  # a worker added since the last discovery may fit
                     await self.view.refresh_async()

@@ -42,6 +42,7 @@ from cluster.aio_server import AioServer, LoopThread, start_aio_server
 from cluster.auth import RequireKey, client_keys, secret_metadata
 from cluster.config import ClusterConfig
 from cluster.engine.structured import for_tokenizer
+from cluster.grpc_server import Refused
 from cluster.lifeline import ClusterUnavailable
 from cluster.model.arch import ModelArch
 from cluster.model.gguf import model_folder
@@ -52,6 +53,7 @@ from cluster.tls import channel_credentials, server_credentials
 from router.placement.discovery import WorkerDiscovery
 from router.placement.prefix_index import PrefixIndex
 from router.placement.view import WorkerView
+from router.service import adapters
 from router.service.dispatch import Abort, Dispatcher
 from router.service.fleet import Fleet, RouterRegistry, advertised, router_name, totals
 from router.service.settings import PoolAdmin, RouterSettings, settings_from_config
@@ -170,6 +172,7 @@ class Router(worker_pb2_grpc.AdminServicer):
             dtype=s.dtype,
             eos_token_ids=s.eos_token_ids,
             has_chat_template=s.has_chat_template,
+            adapters=self.view.index.adapter_names(),
         )
 
     def _public_handlers(self) -> grpc.GenericRpcHandler:
@@ -271,6 +274,27 @@ class Router(worker_pb2_grpc.AdminServicer):
         except ClusterUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return worker_pb2.ScaleResult(pool=pool)
+
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> worker_pb2.AdapterResult:  # type: ignore[no-untyped-def,override]
+        return await self._adapters(context, adapters.load, request)
+
+    async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context) -> worker_pb2.AdapterResult:  # type: ignore[no-untyped-def,override]
+        return await self._adapters(context, adapters.unload, request.name)
+
+    async def ListAdapters(self, request: worker_pb2.ListAdaptersRequest, context) -> worker_pb2.AdapterList:  # type: ignore[no-untyped-def,override]
+        return adapters.placements(self.view.index.loads())
+
+    async def _adapters(self, context, change, arg) -> worker_pb2.AdapterResult:  # type: ignore[no-untyped-def]
+        """An adapter loaded on (or unloaded from) every worker in view, refused unless lora.runtime_loading."""
+        await self._refuse_if_lost(context)
+        if not self.settings.adapters_at_runtime:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, adapters.RUNTIME_LOADING_OFF)
+        workers = await asyncio.to_thread(self.pool.workers)
+        stubs = {n: worker_pb2_grpc.WorkerStub(c[1]) for n in workers if (c := self.view.channel(n)) is not None}
+        try:
+            return worker_pb2.AdapterResult(workers=await change(stubs, arg, self.pool.metadata))
+        except Refused as e:
+            await context.abort(e.code, e.details)
 
     async def GetStatus(self, request: worker_pb2.GetStatusRequest, context) -> worker_pb2.ClusterStatus:  # type: ignore[no-untyped-def,override]
         await self._refuse_if_lost(context)

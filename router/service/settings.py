@@ -44,6 +44,7 @@ class RouterSettings:
     prefix_index_max_blocks: int = _default(RouterConfig, "prefix_index_max_blocks")
     # What a request that leaves a sampling field unset gets (the model's generation_config.json)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    adapters_at_runtime: bool = False  # lora.runtime_loading: Admin.LoadAdapter and UnloadAdapter are served
 
 
 class PoolAdmin(Protocol):
@@ -81,4 +82,5 @@ def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Toke
         prefix_routing=r.prefix_routing,
         prefix_index_max_blocks=r.prefix_index_max_blocks,
         sampling_defaults=dict(tokenizer.sampling_defaults) if m.generation_config == "auto" else {},
+        adapters_at_runtime=config.lora.runtime_loading,
     )

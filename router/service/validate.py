@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from tandem.v1 import api_pb2
 
+from cluster.config import MAX_ADAPTER_NAME
 from cluster.engine.request import MAX_CACHE_SALT, SamplingParams, params_from_proto
 from cluster.engine.structured import Grammars
 
@@ -162,6 +163,7 @@ def _sampling(m: api_pb2.SamplingParams, limits: Limits, prompt_tokens: int) -> 
         ("num_beams", m.num_beams <= MAX_BEAMS, f"must be <= {MAX_BEAMS}"),
         ("early_stopping", m.early_stopping in api_pb2.EarlyStopping.values(), "unknown value"),
         ("cache_salt", len(m.cache_salt) <= MAX_CACHE_SALT, f"must be at most {MAX_CACHE_SALT} characters"),
+        ("adapter", len(m.adapter) <= MAX_ADAPTER_NAME, f"must be at most {MAX_ADAPTER_NAME} characters"),
     ]
     for field, ok, message in checks:
         if not ok:

@@ -7,6 +7,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class AdapterResult(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterList(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterPlacement]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterPlacement, _Mapping]]] = ...) -> None: ...
+
+class AdapterPlacement(_message.Message):
+    __slots__ = ("name", "digest", "workers", "resident_on")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: bytes
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    resident_on: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[bytes] = ..., workers: _Optional[_Iterable[str]] = ..., resident_on: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class StepCommand(_message.Message):
     __slots__ = ("submit", "cancel", "trace")
     class TraceEntry(_message.Message):
@@ -103,7 +145,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged", "tier_block_cost", "tier_hit_blocks")
+    __slots__ = ("worker_id", "role", "running_seqs", "waiting_seqs", "queued_prompt_tokens", "free_kv_blocks", "total_kv_blocks", "draining", "metrics_address", "wedged", "tier_block_cost", "tier_hit_blocks", "adapters", "max_loras")
     class TierBlockCostEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +172,8 @@ class WorkerLoad(_message.Message):
     WEDGED_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCK_COST_FIELD_NUMBER: _ClassVar[int]
     TIER_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     running_seqs: int
@@ -142,7 +186,21 @@ class WorkerLoad(_message.Message):
     wedged: bool
     tier_block_cost: _containers.ScalarMap[str, float]
     tier_hit_blocks: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ..., tier_block_cost: _Optional[_Mapping[str, float]] = ..., tier_hit_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoadedAdapter]
+    max_loras: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., running_seqs: _Optional[int] = ..., waiting_seqs: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., wedged: _Optional[bool] = ..., tier_block_cost: _Optional[_Mapping[str, float]] = ..., tier_hit_blocks: _Optional[_Mapping[str, int]] = ..., adapters: _Optional[_Iterable[_Union[LoadedAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoadedAdapter(_message.Message):
+    __slots__ = ("name", "digest", "resident", "retiring")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    RETIRING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: bytes
+    resident: bool
+    retiring: bool
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[bytes] = ..., resident: _Optional[bool] = ..., retiring: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("min_interval_seconds", "heartbeat_seconds", "kv_events")

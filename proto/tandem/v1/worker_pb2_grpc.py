@@ -64,6 +64,16 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StepCommand.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StepFrame.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tandem.v1.Worker/LoadAdapter',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tandem.v1.Worker/UnloadAdapter',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -116,6 +126,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters while serving (`lora.runtime_loading`; FAILED_PRECONDITION when off). Load reads
+        the adapter from a path this worker reaches and checks it (INVALID_ARGUMENT naming what is wrong;
+        ALREADY_EXISTS for a name in use); nothing already serving is disturbed. Unload refuses new
+        requests through it at once (NOT_FOUND for a name not loaded); those running finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +174,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Steps,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StepCommand.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StepFrame.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -322,6 +358,60 @@ class Worker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/LoadAdapter',
+            tandem_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/UnloadAdapter',
+            tandem_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
     """The router's view of the cluster, for `tandem status`. Not for clients.
@@ -343,6 +433,21 @@ class AdminStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ScaleResult.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tandem.v1.Admin/LoadAdapter',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tandem.v1.Admin/UnloadAdapter',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/tandem.v1.Admin/ListAdapters',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.AdapterList.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -363,6 +468,27 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters while serving (`lora.runtime_loading`): loaded on (unloaded from) every worker in
+        view, all or none: a worker that refuses it leaves it on none, with that worker's reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Every adapter the workers in view serve, and where.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -375,6 +501,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ScaleRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ScaleResult.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AdapterResult.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -432,6 +573,87 @@ class Admin:
             '/tandem.v1.Admin/Scale',
             tandem_dot_v1_dot_worker__pb2.ScaleRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ScaleResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/LoadAdapter',
+            tandem_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/UnloadAdapter',
+            tandem_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AdapterResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/ListAdapters',
+            tandem_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.AdapterList.FromString,
             options,
             channel_credentials,
             insecure,
