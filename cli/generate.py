@@ -32,6 +32,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="compute dtype (--model); auto: bfloat16 where the CPU multiplies it natively, else float32",
     )  # fmt: skip
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--adapter", default="", help="the LoRA adapter to run through, by name (--target only)")
     gen.set_defaults(run=_generate)
 
 
@@ -40,11 +41,15 @@ def _generate(args: argparse.Namespace) -> int:
     if prompt is None:
         raise ValueError("give a prompt: tandem generate 'def add(a, b):'")
     if args.model is not None:
+        if args.adapter:
+            raise ValueError("--adapter names an adapter a cluster serves: use it with --target, not --model")
         args.prompt = prompt
         offline_generate(args)
         return 0
     messages = [{"role": "user", "content": prompt}] if args.chat else prompt
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    if args.adapter:
+        sampling["adapter"] = args.adapter
     stream(args.target, messages, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca, **sampling)
     return 0
 

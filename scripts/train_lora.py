@@ -37,7 +37,7 @@ QUESTIONS = [
     "What is a river?", "How do you say hello in French?", "What is gravity?",
 ]  # fmt: skip
 HELD_OUT = ["What is the capital of Italy?", "Name an animal that lives in the sea.", "What is a star?"]
-ANSWER_TOKENS = 40
+ANSWER_TOKENS = 32
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -93,8 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "adapters" / "smollm2-shout")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
