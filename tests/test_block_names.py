@@ -86,3 +86,25 @@ def test_a_name_covers_the_model_the_adapter_the_salt_and_every_token_before_its
     assert request_root(root, Scope("ab")) != request_root(model_root(b"weights" + b"ab"))
     assert request_root(root, Scope(adapter=b"ab")) != request_root(root, Scope("ab"))
     assert chain([*block, *block], BS, root) == [child(root, block), child(child(root, block), block)]
+
+
+def test_the_same_prompt_through_different_adapters_shares_no_block_in_the_pool_events_or_routing():
+    prompt = list(range(200, 233))  # two full blocks and one token
+    first, second = bytes(range(32)), bytes(range(1, 33))  # two adapters' digests
+    pool = BlockManager(16, BS, journal=(journal := KVJournal()))
+    scopes = {"through first": Scope(adapter=first), "base": Scope(), "through second": Scope(adapter=second)}
+    scopes["salted, first"] = Scope("a", first)
+    for seq, scope in scopes.items():
+        assert pool.allocate(seq, prompt, scope=scope) == 0, f"{seq} was served another scope's KV"
+        pool.mark_computed(seq, prompt)
+    assert pool.allocate("first again", prompt, scope=Scope(adapter=first)) == 32
+    pool.check_integrity()
+    stored = [name for batch in [journal.since(None)] for name in batch.stored]
+    assert len(stored) == len(set(stored)) == 8, "four scopes' two blocks each, every name apart"
+    index = PrefixIndex()
+    index.apply("decode-0", journal.since(None))
+    (through_first,) = index.roots(Scope(adapter=first))
+    (through_second,) = index.roots(Scope(adapter=second))
+    assert index.match(chain(prompt, BS, through_first)) == {"decode-0": 2}
+    assert index.match(chain(prompt, BS, through_second)) == {"decode-0": 2}
+    assert chain(prompt, BS, through_first) != chain(prompt, BS, through_second)

@@ -192,3 +192,16 @@ def test_a_bad_adapter_is_refused_by_name_and_left_on_no_worker(served, tmp_path
     assert "dora" not in {a.name for a in listed}
     with Client(served.grpc_address) as client:  # serving on
         assert client.generate(prompt(5, 20), max_tokens=3, adapter="qv-r8").completion_tokens == 3
+
+
+def test_tandem_adapters_lists_loads_and_refuses_by_name(served, capsys, tmp_path):
+    from cli.main import main
+
+    assert main(["adapters", "list", "--target", served.grpc_address]) == 0
+    listed = capsys.readouterr().out
+    assert "qv-r8" in listed and "mlp-r4" in listed and "decode-0" in listed and "prefill-0" in listed
+    assert main(["adapters", "load", "missing", str(tmp_path), "--target", served.grpc_address]) == 1
+    refused = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in refused and "'missing'" in refused and "adapter_config.json is missing" in refused
+    assert main(["adapters", "unload", "never-loaded", "--target", served.grpc_address]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
