@@ -122,6 +122,12 @@ class LoraConfig(_Part):
         description="Projections an adapter may update; an adapter updating another is refused. Fewer "
         "targets, less memory and work per step.",
     )
+    max_workers_per_adapter: int | None = Field(
+        default=None,
+        ge=1,
+        description="Decode workers one adapter may sit in a slot on at once: once that many hold it, its requests "
+        "go only to them, waiting there for room (its KV and its slot stay where they are); unset: no bound.",
+    )
     runtime_loading: bool = Field(
         default=False,
         description="Allow loading and unloading adapters while serving (Admin.LoadAdapter / UnloadAdapter, "

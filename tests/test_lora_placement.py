@@ -58,3 +58,16 @@ def test_an_adapter_no_worker_serves_and_one_being_unloaded_are_not_found():
     with pytest.raises(NoAdapter, match="'old'"):
         choose(placed, "old")
     assert placed.adapter_names() == ["a"]
+
+
+def test_an_adapter_held_as_widely_as_allowed_waits_where_it_is_held():
+    full = worker_pb2.WorkerLoad(**{**_fields(decode(6, {"a": True})), "free_kv_blocks": 0})
+    placed = index(holding=full, idle=decode(0, {"a": False}))
+    assert placed.choose(list(range(10)), 4, 16, 64, adapter="a").decode == "idle", "unbounded: it spreads"
+    bounded = placed.choose(list(range(10)), 4, 16, 64, adapter="a", adapter_spread=1)
+    assert bounded.decode == "holding", "bounded: it waits where it is held"
+    assert placed.choose(list(range(10)), 4, 16, 64, adapter="a", adapter_spread=2).decode == "idle"
+
+
+def _fields(load: worker_pb2.WorkerLoad) -> dict:  # type: ignore[type-arg]
+    return {f.name: getattr(load, f.name) for f, _ in load.ListFields()}

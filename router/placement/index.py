@@ -106,15 +106,17 @@ class LoadIndex:
         queue_slack_tokens: int = 2048,
         cache_salt: str = "",
         adapter: str = "",
+        adapter_spread: int | None = None,
     ) -> Choice:
         """Where a request runs. With `adapter`, only workers serving it are chosen, a decode worker
-        holding it in a slot first (`_choose_decode`); `NoAdapter` when no decode worker serves it."""
+        holding it in a slot first, and no more than `adapter_spread` holding it (`_choose_decode`);
+        `NoAdapter` when no decode worker serves it."""
         scope = Scope(cache_salt, self.adapter_digest(adapter)) if adapter else Scope(cache_salt)
         chains = self._chains(prompt, block_size, scope)
         with self._lock:
             now = self.clock()
             needed = -(-(len(prompt) + max_tokens) // block_size)
-            decode = self._choose_decode(needed, now, adapter)
+            decode = self._choose_decode(needed, now, adapter, adapter_spread)
             if adapter and not all(_serves(self._loads[n], adapter) for _, n in self._prefill):
                 return self._adapter_prefill(decode, adapter, len(prompt), local_prefill_max_tokens)
             pool = {n: held for n, held in self._match(chains).items() if n in self._keys and not self._stale(n, now)}
@@ -232,12 +234,14 @@ class LoadIndex:
                         return a.digest
         raise NoAdapter(adapter)
 
-    def _choose_decode(self, needed: int, now: float, adapter: str = "") -> str:
+    def _choose_decode(self, needed: int, now: float, adapter: str = "", spread: int | None = None) -> str:
         """The lightest decode worker with `needed` blocks free, else the lightest that can hold
         them at all: the first such in the decode order, so usually its first entry. With `adapter`,
         of the workers serving it, one holding it in a slot wins over one with a slot free, and that
-        one over one that must write a slot over; the lighter wins within each."""
+        one over one that must write a slot over; the lighter wins within each. Once `spread` workers
+        hold it, only they take its requests (waiting there for room)."""
         fallback, stale, fresh, best = None, [], 0, None
+        held = spread is not None and sum(_affinity(self._loads[n], adapter) == 0 for _, _, n in self._decode) >= spread
         try:
             for _, _, name in self._decode:
                 if self._stale(name, now):
@@ -245,8 +249,8 @@ class LoadIndex:
                     continue
                 fresh += 1
                 load = self._loads[name]
-                if adapter and not _serves(load, adapter):
-                    continue
+                if adapter and (not _serves(load, adapter) or (held and _affinity(load, adapter) > 0)):
+                    continue  # it does not serve the adapter, or the adapter is held as widely as allowed
                 if load.free_kv_blocks >= needed and load.total_kv_blocks >= needed:
                     if not adapter:
                         return name

@@ -173,8 +173,9 @@ class Dispatcher:
                 if s.prefix_routing == "random":
                     return self.view.index.choose_random(prompt, max_tokens, s.block_size, local, self._rng)
                 return self.view.index.choose(
-                    prompt, max_tokens, s.block_size, local, cache_salt=params.cache_salt, adapter=params.adapter
-                )
+                    prompt, max_tokens, s.block_size, local, cache_salt=params.cache_salt, adapter=params.adapter,
+                    adapter_spread=s.adapter_spread,
+                )  # fmt: skip
             except NoCapacity as e:
                 if not rediscovered:  # a worker added since the last discovery may fit
                     await self.view.refresh_async()

@@ -45,6 +45,7 @@ class RouterSettings:
     # What a request that leaves a sampling field unset gets (the model's generation_config.json)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     adapters_at_runtime: bool = False  # lora.runtime_loading: Admin.LoadAdapter and UnloadAdapter are served
+    adapter_spread: int | None = None  # lora.max_workers_per_adapter
 
 
 class PoolAdmin(Protocol):
@@ -83,4 +84,5 @@ def settings_from_config(config: ClusterConfig, arch: ModelArch, tokenizer: Toke
         prefix_index_max_blocks=r.prefix_index_max_blocks,
         sampling_defaults=dict(tokenizer.sampling_defaults) if m.generation_config == "auto" else {},
         adapters_at_runtime=config.lora.runtime_loading,
+        adapter_spread=config.lora.max_workers_per_adapter,
     )
