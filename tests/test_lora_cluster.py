@@ -205,3 +205,12 @@ def test_tandem_adapters_lists_loads_and_refuses_by_name(served, capsys, tmp_pat
     assert "INVALID_ARGUMENT" in refused and "'missing'" in refused and "adapter_config.json is missing" in refused
     assert main(["adapters", "unload", "never-loaded", "--target", served.grpc_address]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_structured_output_runs_through_an_adapter(served):
+    from router.sdk.client import Choice
+
+    with Client(served.grpc_address) as client:
+        for name in ADAPTERS:
+            got = client.generate("def f():", max_tokens=8, structured=Choice(["yes", "no", "maybe"]), adapter=name)
+            assert got.text in ("yes", "no", "maybe"), (name, got.text)

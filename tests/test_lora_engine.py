@@ -165,3 +165,36 @@ def test_compiled_decode_steps_mix_adapters_as_eager_ones_do(lora_models):
     assert engine.runner.compiled is not None and engine.runner.compiled.steps >= NEW - 1
     for (rid, (prompt, _)), name in zip(requests.items(), which, strict=True):
         assert streamed[rid] == peft_greedy(reference, name, prompt, NEW), f"{rid} through {name}"
+
+
+def test_a_request_moved_mid_stream_continues_through_its_adapter_greedy_and_seeded(lora_models):
+    """A request that moves to another worker with the output it already has goes on as if it had
+    never moved, through the same adapter (greedy, and seeded sampling by output index)."""
+    prompt = prompts(3)[2]
+    for params in (greedy("all-r8"), SamplingParams(max_tokens=NEW, temperature=1.0, seed=7, adapter="mlp-r2")):
+        whole, _ = drive(engine_with(lora_models), {"r": (prompt, params)})
+        moved = engine_with(lora_models)
+        moved.add_request("r", prompt, params, output_token_ids=whole["r"][:4])
+        rest: list[int] = []
+        while moved.has_unfinished:
+            rest += [t for out in moved.step() for t in out.token_ids]
+        assert whole["r"][:4] + rest == whole["r"], params
+
+
+def test_speculation_verifies_drafts_through_the_adapter(lora_models):
+    """n-gram drafts (which know no adapter) are verified by the target through each row's adapter:
+    greedy tokens equal PEFT's, drafts accepted."""
+    from cluster.config import SpeculativeConfig
+    from cluster.engine.speculative import build_proposer
+
+    reference = lora_models[2]
+    repetitive = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [12, 13] * 10]
+    which = ["all-r8", "attn-r4", None]
+    plain = engine_with(lora_models)
+    proposer = build_proposer(SpeculativeConfig(method="ngram", num_tokens=3), plain.runner.model, CACHE.block_size)
+    engine = engine_with(lora_models, proposer=proposer, num_speculative_tokens=3)
+    requests = {f"r{i}": (p, greedy(w)) for i, (p, w) in enumerate(zip(repetitive, which, strict=True))}
+    streamed, finals = drive(engine, requests)
+    for (rid, (prompt, _)), name in zip(requests.items(), which, strict=True):
+        assert streamed[rid] == peft_greedy(reference, name, prompt, NEW), f"{rid} through {name}"
+    assert sum(f.num_draft_tokens for f in finals.values()) > 0
