@@ -126,3 +126,33 @@ def test_bad_adapters_are_refused_by_name(lora_models, tmp_path, case, match):
     with pytest.raises(AdapterError, match=match) as e:
         read_adapter(bad, model.arch, max_rank=max_rank, targets=targets, name="tenant-7")
     assert "tenant-7" in str(e.value)
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "int4"])
+def test_adapters_over_quantised_weights_are_the_same_adapters_over_those_weights_dequantised(
+    lora_models, weight_dtype
+):
+    """A quantised base applies each row's update to its quantised projections' output: the logits
+    equal the same adapters' over a float model holding the dequantised weights (which PEFT's are,
+    the test above shows), rows of every adapter and the base in one pass."""
+    import copy
+
+    from cluster.model.quant import Int4Linear, Int8Linear, quantize
+
+    base, folders, _ = lora_models
+    model = load_model(base, "float32")
+    quantised = quantize(copy.deepcopy(model), weight_dtype, group_size=32, lm_head=False)
+    dequantised = copy.deepcopy(model)
+    for path, module in quantised.named_modules():
+        if isinstance(module, Int8Linear | Int4Linear):
+            dequantised.get_submodule(path).weight.data.copy_(module.dense())
+    slots = LoraSlots(model.arch, max_loras=3, max_rank=8, targets=TARGETS, dtype=torch.float32)
+    for slot, name in enumerate(ADAPTERS):
+        slots.write(slot, read_adapter(folders[name], model.arch, max_rank=8))
+    prompts = [list(range(5 + i, 25 + 2 * i)) for i in range(4)]
+    got = mixed_pass(quantised, slots, prompts, [-1, 0, 1, 2])
+    want = mixed_pass(dequantised, slots, prompts, [-1, 0, 1, 2])
+    for mine, theirs in zip(got, want, strict=True):
+        assert ((mine - theirs).abs().max() / theirs.abs().max()).item() <= 1e-4
+    plain = mixed_pass(quantised, slots, prompts[1:2], [-1])[0]
+    assert (plain - got[1]).abs().max() > 1e-2, "the adapter changed the quantised model's logits"

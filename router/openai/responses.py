@@ -34,7 +34,7 @@ TEXT_FORMAT = {
     "verbosity": refused("the served model has no verbosity control"),
 }
 RESPONSES = {
-    "model": honoured("the served model's name (another is 404)"),
+    "model": honoured("the served model's name, or a LoRA adapter's (`/v1/models` lists them; another is 404)"),
     "input": honoured(
         "a string, or a list of messages (text parts) and function_call / function_call_output items; an item's "
         "id and status are read past (nothing is stored), any other unknown key is refused"
