@@ -13,6 +13,9 @@ share of computing it (each worker's own measure, `WorkerLoad.tier_block_cost`).
 host + disk, each chat's first two turns, every worker stopped and started again on the same disk
 directory, and each chat's next turn served by the new workers.
 
+Conversations start spread over the first pause and think between turns (`--think-s`, exponential):
+a load the machine carries with the tiers off, so TTFT is what a turn costs, not a saturated queue.
+
 Goals: TTFT p50 on turns >= 2 at least 3x better with every tier on than with tiers off; >= 90 % of
 the ideal hit rate with every tier on; under random placement with the shared tier, a turn computes
 <= 10 % of the prefix the tiers hold; no row slower than tiers off; after the restart, <= 10 % of the
@@ -100,6 +103,7 @@ def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_
             turns = asyncio.run(converse(cluster.target, w, seed=1))
             loads = {n: worker.load() for n, worker in cluster.workers.items()}
             tier_counts = tier_totals(cluster.workers)
+            waited = queueing(cluster)
         finally:
             cluster.stop()
     later = [x for x in turns if x.turn >= 1]
@@ -113,8 +117,26 @@ def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_
         "ttft_p50_ms": statistics.median(ttfts), "ttft_p99_ms": percentile(ttfts, 99),
         "prompt_tokens": prompt, "computed_tokens": computed, "ideal_computed_tokens": ideal,
         "hit_rate": 1 - computed / prompt, "ideal_hit_rate": 1 - ideal / prompt,
-        "loaded": tier_counts, "block_cost": costs,
+        "loaded": tier_counts, "block_cost": costs, **waited,  # where a first token waits, every turn's mean
+        "ttft_mean_ms": statistics.fmean(x.ttft * 1e3 for x in turns),
+        "remote_prefills": sum(1 for x in turns if x.placement.startswith("remote")) / len(turns),
     }  # fmt: skip
+
+
+def queueing(cluster: Cluster) -> dict[str, float]:
+    """Where a turn's first token waited, every turn's mean: in the router before it was placed, and in
+    the prefill worker's queue before its prefill began (requests prefilled there only)."""
+
+    def mean_ms(registry, stage: str) -> float:  # type: ignore[no-untyped-def]
+        total = registry.get_sample_value("tandem_queue_seconds_sum", {"stage": stage}) or 0.0
+        count = registry.get_sample_value("tandem_queue_seconds_count", {"stage": stage}) or 0.0
+        return total / count * 1e3 if count else 0.0
+
+    prefill = cluster.workers["prefill-0"].telemetry.metrics.registry
+    return {
+        "router_queue_mean_ms": mean_ms(cluster.router.telemetry.metrics.registry, "router"),
+        "prefill_queue_mean_ms": mean_ms(prefill, "prefill"),
+    }
 
 
 def restart_row(w: Workload, model: Path, dtype: str, blocks: int, redis_url: str) -> dict:
@@ -209,6 +231,11 @@ def print_table(rows: dict[str, dict]) -> None:
         loaded = ", ".join(f"{t} {int(v['blocks'])}" + cost_of(r, t) for t, v in r["loaded"].items() if v["blocks"])
         print(f"{r['row']:<26}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>9.1f}{r['hit_rate']:>7.0%}"
               f"{r['ideal_hit_rate']:>7.0%}{r['computed_tokens']:>10}  {loaded}")  # fmt: skip
+    heads = f"{'TTFT':>9}{'router queue':>14}{'prefill queue':>15}{'remote prefill':>16}"
+    print(f"\n{'where TTFT goes, every turn (means, ms)':<40}{heads}")
+    for r in rows.values():
+        print(f"{r['row']:<40}{r['ttft_mean_ms']:>9.1f}{r['router_queue_mean_ms']:>14.1f}"
+              f"{r['prefill_queue_mean_ms']:>15.1f}{r['remote_prefills']:>16.0%}")  # fmt: skip
 
 
 def cost_of(row: dict, tier: str) -> str:
@@ -217,23 +244,14 @@ def cost_of(row: dict, tier: str) -> str:
 
 
 def plot(rows: dict[str, dict], path: Path) -> None:
-    import matplotlib
+    from benchmarks.plots import Panel, bar_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     names = list(rows)
-    axes[0].bar(names, [rows[n]["ttft_p50_ms"] for n in names])
-    axes[0].set(ylabel="TTFT p50, turns >= 2 (ms)", title="TTFT by tiers")
-    axes[1].bar(names, [rows[n]["computed_tokens"] for n in names], label="computed")
-    axes[1].plot(names, [rows[n]["ideal_computed_tokens"] for n in names], "k_", markersize=30, label="ideal")
-    axes[1].set(ylabel="prompt tokens computed", title="computed vs ideal")
-    axes[1].legend()
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    bar_panels(path, names, [
+        Panel([rows[n]["ttft_p50_ms"] for n in names], "TTFT p50, turns >= 2 (ms)", "TTFT by tiers"),
+        Panel([rows[n]["computed_tokens"] for n in names], "prompt tokens computed", "computed vs ideal",
+              marks=[rows[n]["ideal_computed_tokens"] for n in names], marks_label="ideal"),
+    ])  # fmt: skip
 
 
 def main() -> None:
@@ -244,11 +262,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the demo model, 16 conversations of 4 turns")
     parser.add_argument("--model", default=None, help="a model folder (default: the demo model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--think-s", type=float, default=None, help="mean pause between a reply and the next turn")
     args = parser.parse_args()
     model = DEMO if args.model is None else Path(args.model)
-    w = Workload(16, 4, 400, 48, 24, think_s=0.2) if args.quick else Workload(64, 6, 400, 48, 24, think_s=0.2)
-    live = w.conversations * (w.system_tokens + w.turns * (w.user_tokens + w.reply_tokens))
-    blocks = max(64, live // BLOCK // 4)  # about a quarter of the live histories
+    # Users who read a reply before they answer: a load the machine carries with the tiers off, so that
+    # TTFT measures what a turn costs, not how long the queue of a saturated machine is.
+    think_s = args.think_s if args.think_s is not None else (4.0 if args.quick else 20.0)
+    shape = (16, 4) if args.quick else (64, 6)
+    w = Workload(*shape, 400, 48, 24, think_s=think_s)
+    # The histories' distinct tokens (one system prompt, each conversation's own turns); each pool holds a quarter.
+    live = w.system_tokens + w.conversations * w.turns * (w.user_tokens + w.reply_tokens)
+    blocks = max(64, live // BLOCK // 4)
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), password=SECRET, maxmemory="2gb").start()
         try:

@@ -140,22 +140,14 @@ def measure(model_path: Path, targets: tuple[str, ...]) -> dict:  # type: ignore
 
 
 def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from benchmarks.plots import Panel, bar_panels
 
     rows = results["rows"]
     names = list(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    axes[0].bar(names, [rows[n]["tpot_ms"] for n in names])
-    axes[0].set(ylabel="TPOT (ms)", title=f"batch {REQUESTS}: TPOT")
-    axes[1].bar(names, [rows[n]["tokens_per_s"] for n in names])
-    axes[1].set(ylabel="output tokens/s", title="throughput")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    bar_panels(path, names, [
+        Panel([rows[n]["tpot_ms"] for n in names], "TPOT (ms)", f"batch {REQUESTS}: TPOT"),
+        Panel([rows[n]["tokens_per_s"] for n in names], "output tokens/s", "throughput"),
+    ])  # fmt: skip
 
 
 def main() -> None:

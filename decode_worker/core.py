@@ -192,6 +192,7 @@ class ThreadCore(CoreHandle):
             self.steps += 1
             outputs = self._with_text(outputs)
             on_frame(Frame(outputs, engine.occupancy, None, engine.has_unfinished, steps=self.steps))
+        engine.close()
 
 
 class ProcessCore(CorePipe, CoreHandle):

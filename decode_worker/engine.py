@@ -116,6 +116,13 @@ class Engine:
         if self.speculator is not None:
             self.speculator.warm_up()
 
+    def close(self) -> None:
+        """Stops the threads the engine started (its KV tiers', its masks'), once its loop has ended."""
+        if self.tiering is not None:
+            self.tiering.close()
+        if self.grammars is not None:
+            self.grammars.close()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._pending) or bool(self.tiering and self.tiering.parked)

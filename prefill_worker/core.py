@@ -218,6 +218,7 @@ class ThreadCore(AdapterCalls):
             on_frame(frame)
             if not busy:  # asleep until a request arrives, waking to release the leases that ended
                 engine.changes.wait(seen, LEASE_POLL_S)
+        engine.close()
 
 
 class ProcessCore(CorePipe, AdapterCalls):

@@ -117,6 +117,13 @@ class PrefillEngine:
         self.changes = Changes()  # bumped after every change of what it holds; its loop and Watch wait on it
         self._stats = self._snapshot()
 
+    def close(self) -> None:
+        """Stops the threads the engine started (its KV tiers', its masks'), once its loop has ended."""
+        if self.tiering is not None:
+            self.tiering.close()
+        if self.grammars is not None:
+            self.grammars.close()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self.scheduler.held) or bool(self.tiering and self.tiering.parked)

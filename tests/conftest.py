@@ -203,21 +203,37 @@ def pytest_runtest_setup(item):  # type: ignore[no-untyped-def]
         os.nice(19 - os.nice(0))
 
 
-# How long the interpreter may take to shut down after the suite's report before the run is ended with
-# the suite's own status. Nothing the suite starts should outlive it; when something does (a thread
+# How long the run may take, once every test has ended, to print its report and exit before it is ended
+# with the suite's own status. Nothing the suite starts should outlive it; when something does (a thread
 # blocked in a call, a child that ignores SIGTERM), Python's exit joins it and would wait forever.
-EXIT_GRACE_S = 60.0
+EXIT_GRACE_S = 120.0
 
 
-def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
-    """Names what the suite left running (threads that are not daemons, child processes), stops the
-    children, and arms a watchdog: if the interpreter's shutdown still waits `EXIT_GRACE_S` later, every
-    thread's stack is printed and the process ends with the suite's exit status."""
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+    """Arms a watchdog: if the process is still here `EXIT_GRACE_S` after the last test, every thread's
+    stack is printed and the process ends with the suite's exit status."""
     import faulthandler
-    import multiprocessing
     import sys
     import threading
     import time
+
+    def watchdog() -> None:
+        time.sleep(EXIT_GRACE_S)
+        sys.stderr.write(f"\nthe run did not exit within {EXIT_GRACE_S:g} s of its last test; stacks:\n")
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(int(exitstatus))
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+
+
+def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
+    """Names what the suite left running (threads that are not daemons, child processes) and stops the
+    children."""
+    import multiprocessing
+    import sys
+    import threading
 
     threads = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     children = multiprocessing.active_children()
@@ -227,17 +243,3 @@ def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
     for child in children:
         child.kill()
         child.join(5)
-    status = int(getattr(config, "_tandem_exitstatus", 0))
-
-    def watchdog() -> None:
-        time.sleep(EXIT_GRACE_S)
-        sys.stderr.write(f"\nthe interpreter did not exit within {EXIT_GRACE_S:g} s of the report; stacks:\n")
-        faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(status)
-
-    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
-
-
-def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
-    session.config._tandem_exitstatus = exitstatus

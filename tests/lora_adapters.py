@@ -78,3 +78,9 @@ def peft_greedy(reference, name: str | None, prompt: list[int], max_tokens: int)
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def peft_logprobs(reference, name: str | None, prompt: list[int], tokens: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """PEFT's log-probability of each of `tokens` where it stands after `prompt` (float64)."""
+    logits = peft_logits(reference, name, prompt + tokens)[len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import json
 import threading
 import time
@@ -15,12 +16,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from cluster.config import parse_config
 from cluster.model.tokenizer import Tokenizer
 from router.sdk.client import Client, NotFound
-from tests.lora_adapters import peft, peft_greedy, write_adapter
+from tests.lora_adapters import peft, peft_greedy, peft_logprobs, write_adapter
 from tests.served import serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,11 +33,13 @@ pytestmark = pytest.mark.slow
 ADAPTERS = {
     "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
     "mlp-r4": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "down_proj", "o_proj"]),
+    "ku-r6": dict(r=6, lora_alpha=6, use_rslora=True, target_modules=["k_proj", "up_proj"]),
 }
 LATER = {
     "all-r2": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"])
 }  # loaded while serving
 NEW = 8
+ROW = 48  # tokens per request of the one-batch tests: long enough that all four decode together
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def served(adapters):
             "model": {"path": str(DEMO), "dtype": "float32", "adapters": {n: str(folders[n]) for n in ADAPTERS}},
             "cache": {"block_size": 16, "num_blocks": 96},
             "router": {"local_prefill_max_tokens": 16},
-            "lora": {"max_loras": 2, "max_rank": 8, "runtime_loading": True},
+            "lora": {"max_loras": 3, "max_rank": 8, "runtime_loading": True},
         }
     )
     with serving(config, "tandem-demo-code") as cluster:
@@ -73,15 +77,87 @@ def prompt(i: int, length: int) -> list[int]:
     return [(31 * i + 7 * j) % 4000 + 20 for j in range(length)]
 
 
+def together(served, calls: dict) -> tuple[dict, int]:  # type: ignore[no-untyped-def,type-arg]
+    """Runs `calls` ({key: callable}) at once; returns their results and the most sequences the
+    decode worker ran in one batch meanwhile (its load, read every millisecond)."""
+    peak, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, served.decode.load().running_seqs)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+        results = {key: f.result(timeout=300) for key, f in futures.items()}
+    done.set()
+    watcher.join()
+    return results, peak
+
+
+def grpc_row(client: Client, p: list[int], name: str | None) -> tuple[list[int], list[float]]:
+    """A greedy stream through `name` (None: the base model): its tokens and their log-probabilities."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for delta in client.stream(p, max_tokens=ROW, temperature=0.0, ignore_eos=True, adapter=name or "", logprobs=1):
+        tokens += delta.token_ids
+        logprobs += delta.logprobs
+    return tokens, logprobs
+
+
 @pytest.mark.parametrize("length, placed", [(40, "remote"), (9, "local")])
-def test_adapters_and_the_base_model_give_peft_greedy_tokens(adapters, served, length, placed):
+def test_rows_of_three_adapters_and_the_base_in_one_batch_give_peft_tokens_and_logprobs(
+    adapters, served, length, placed
+):
+    """The base model's request and one through each adapter run at once (all four in the decode
+    batch together) and give PEFT's greedy tokens, and log-probabilities within 1e-3 of PEFT's."""
     _, reference = adapters
+    names = [None, *ADAPTERS]
+    prompts = {name: prompt(i + length, length) for i, name in enumerate(names)}
     with Client(served.grpc_address) as client:
-        for i, name in enumerate([None, *ADAPTERS]):
-            p = prompt(i + length, length)
-            got = client.generate(p, max_tokens=NEW, temperature=0.0, ignore_eos=True, adapter=name or "")
-            assert got.metadata["tandem-prefill"].startswith(placed), got.metadata
-            assert got.token_ids == peft_greedy(reference, name, p, NEW), name
+        got = client.generate(prompt(100 + length, length), max_tokens=1)  # where prompts this long go
+        assert got.metadata["tandem-prefill"].startswith(placed), got.metadata
+        rows, peak = together(
+            served, {name: functools.partial(grpc_row, client, prompts[name], name) for name in names}
+        )
+    assert peak == len(names), "the four rows shared decode steps"
+    for name in names:
+        tokens, logprobs = rows[name]
+        assert tokens == peft_greedy(reference, name, prompts[name], ROW), name
+        expected = peft_logprobs(reference, name, prompts[name], tokens)
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-3, rtol=0)
+
+
+def test_the_openai_face_serves_rows_of_every_adapter_in_one_batch_with_peft_logprobs(adapters, served):
+    import openai
+
+    _, reference = adapters
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    tokenizer = Tokenizer(DEMO)
+    models = {"tandem-demo-code": None, **{name: name for name in ADAPTERS}}
+    prompts = {model: prompt(60 + i, 30) for i, model in enumerate(models)}
+
+    def row(model: str):  # type: ignore[no-untyped-def]
+        return client.completions.create(
+            model=model,
+            prompt=prompts[model],
+            max_tokens=ROW,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    replies, peak = together(served, {model: functools.partial(row, model) for model in models})
+    assert peak == len(models), "the four rows shared decode steps"
+    for model, name in models.items():
+        reply = replies[model]
+        tokens = peft_greedy(reference, name, prompts[model], ROW)
+        assert reply.model == model and reply.choices[0].text == tokenizer.decode(tokens), model
+        logprobs = torch.tensor(reply.choices[0].logprobs.token_logprobs, dtype=torch.float64)
+        torch.testing.assert_close(logprobs, peft_logprobs(reference, name, prompts[model], tokens), atol=1e-3, rtol=0)
 
 
 def test_the_same_prompt_through_another_adapter_shares_no_kv(served):
@@ -107,22 +183,13 @@ def test_an_unknown_adapter_is_not_found_by_name(served):
     assert e.value.code == 404 and "nope" in json.loads(e.value.read())["error"]["message"]
 
 
-def test_the_openai_face_lists_adapters_and_serves_them_by_model_name(adapters, served):
+def test_the_openai_face_lists_each_adapter_with_its_parent(served):
     import openai
 
-    _, reference = adapters
     client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
     listed = {m.id: m.model_dump() for m in client.models.list().data}
     assert set(listed) == {"tandem-demo-code", *ADAPTERS}
     assert all(listed[name]["parent"] == "tandem-demo-code" for name in ADAPTERS)
-    tokenizer = Tokenizer(DEMO)
-    p = prompt(7, 30)
-    for name in ADAPTERS:
-        reply = client.completions.create(
-            model=name, prompt=p, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True}
-        )
-        assert reply.model == name
-        assert reply.choices[0].text == tokenizer.decode(peft_greedy(reference, name, p, NEW)), name
 
 
 def test_an_adapter_loaded_and_unloaded_under_load_loses_no_request(adapters, served):
@@ -214,3 +281,80 @@ def test_structured_output_runs_through_an_adapter(served):
         for name in ADAPTERS:
             got = client.generate("def f():", max_tokens=8, structured=Choice(["yes", "no", "maybe"]), adapter=name)
             assert got.text in ("yes", "no", "maybe"), (name, got.text)
+
+
+@pytest.fixture(scope="module")
+def moving(adapters):
+    """Two decode workers and a prefill worker, all holding the adapters (engines on the workers'
+    threads), behind a router that places at random and moves broken streams."""
+    from decode_worker import service as decode_service
+    from prefill_worker import service as prefill_service
+    from router.service import server as router_server
+
+    folders, _ = adapters
+    config = parse_config(
+        {
+            "model": {"path": str(DEMO), "dtype": "float32", "adapters": {n: str(folders[n]) for n in ADAPTERS}},
+            "cache": {"block_size": 16, "num_blocks": 128},
+            "scheduler": {"engine_core": "thread"},
+            "router": {"local_prefill_max_tokens": 16, "migration_limit": 3, "prefix_routing": "random"},
+            "lora": {"max_loras": 3, "max_rank": 8},
+        }
+    )
+    decodes = {f"decode-{i}": decode_service.from_config(config, f"decode-{i}") for i in range(2)}
+    prefill = prefill_service.from_config(config, "prefill-0")
+    live = {name: w.start() for name, w in decodes.items()} | {"prefill-0": prefill.start()}
+    router = router_server.from_config(config, lambda: live)
+    yield router.start(), router, decodes, live
+    router.stop()
+    prefill.stop()
+    for worker in decodes.values():
+        worker.stop()
+
+
+def test_requests_through_adapters_moved_off_a_stopped_decode_worker_end_as_if_undisturbed(adapters, moving):
+    """Greedy and seeded requests through each adapter stream while the decode worker running most
+    of them stops: they move, with what they streamed, to the other, which goes on through the same
+    adapter. Greedy ones end with PEFT's tokens, seeded ones with the tokens of the same request run
+    undisturbed."""
+    _, reference = adapters
+    address, router, decodes, live = moving
+    requests = {
+        f"{name}-{i}": (prompt(500 + 10 * j + i, 30), name, dict(temperature=1.0, seed=j) if i % 2 else {})
+        for j, name in enumerate(ADAPTERS)
+        for i in range(4)
+    }
+    common = dict(max_tokens=96, ignore_eos=True)
+    with Client(address, timeout=300) as client:
+        undisturbed = {
+            key: client.generate(p, adapter=name, **common, **sampling).token_ids
+            for key, (p, name, sampling) in requests.items()
+            if sampling
+        }
+    progress: dict[str, int] = {}
+
+    def run(key: str) -> list[int]:
+        p, name, sampling = requests[key]
+        tokens: list[int] = []
+        with Client(address, timeout=300, retries=0) as client:
+            for delta in client.stream(p, adapter=name, **common, **({"temperature": 0.0} | sampling)):
+                tokens += delta.token_ids
+                progress[key] = len(tokens)
+        return tokens
+
+    before = router.telemetry.metrics.migrations.labels("decode")._value.get()
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        futures = {key: pool.submit(run, key) for key in requests}
+        deadline = time.monotonic() + 120
+        while sum(1 for n in progress.values() if n >= 3) < len(requests) // 2:
+            assert time.monotonic() < deadline, "the streams never got going"
+            time.sleep(0.005)
+        victim = max(decodes, key=lambda name: decodes[name].engine.occupancy.running)
+        assert decodes[victim].engine.occupancy.running, "a decode worker is running some of them"
+        del live[victim]
+        decodes[victim].stop()
+        results = {key: f.result(timeout=300) for key, f in futures.items()}
+    assert router.telemetry.metrics.migrations.labels("decode")._value.get() > before
+    for key, (p, name, sampling) in requests.items():
+        expected = undisturbed[key] if sampling else peft_greedy(reference, name, p, 96)
+        assert results[key] == expected, key

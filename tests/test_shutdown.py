@@ -15,7 +15,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.sdk.client import Client, Unavailable
-from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,20 +29,38 @@ def health(address: str) -> int | None:
         return None
 
 
+def router_address(serve: subprocess.Popen, timeout_s: float) -> str:
+    """The address `tandem serve` says its router listens on (it binds port 0: a port picked here
+    and freed could be taken by one of Ray's own servers before the router binds it)."""
+    said: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        for line in serve.stderr:  # type: ignore[union-attr]
+            said.append(line)  # read on to the end: a full pipe would stall the server
+            if line.startswith("router at "):
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not found.wait(0.2):
+        assert serve.poll() is None, "".join(said)
+        assert time.monotonic() < deadline, "the cluster did not come up: " + "".join(said)
+    (line,) = [line for line in said if line.startswith("router at ")]
+    return line.removeprefix("router at ").split(";")[0]
+
+
 def test_sigterm_drains_then_exits_cleanly(tmp_path):
-    port = free_port()
-    config = tmp_path / "cluster.yaml"
-    config.write_text((ROOT / "examples" / "local.yaml").read_text().replace("port: 50051", f"port: {port}"))
     serve = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tandem"), "serve", "--config", str(config), "--num-cpus", "2"],
+        [str(Path(sys.executable).parent / "tandem"), "serve", "--config", str(ROOT / "examples" / "local.yaml"),
+         "--port", "0", "--num-cpus", "2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    address = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        address = router_address(serve, 120)
+        deadline = time.monotonic() + 30
         while health(address) != health_pb2.HealthCheckResponse.SERVING:
-            assert serve.poll() is None, serve.stderr.read()
-            assert time.monotonic() < deadline, "the cluster did not come up"
+            assert time.monotonic() < deadline, f"the router at {address} never said SERVING"
             time.sleep(0.2)
         tokens: list[int] = []
         first = threading.Event()

@@ -198,6 +198,11 @@ class Grammars:
             future.set_result(self._fill(work, rows))
         return PendingMasks(future, [s for s, _, _ in entries], [len(d) + 1 for _, d in work])
 
+    def close(self) -> None:
+        """Stops the mask thread (the engine's loop has ended)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _fill(self, entries: list[tuple[Matcher, Sequence[int]]], rows: int) -> torch.Tensor:
         bitmask = torch.empty(rows, self.words, dtype=torch.int32)
         at = 0

@@ -1,0 +1,34 @@
+"""What the benchmarks' bar charts share: panels side by side over the same rows, written as a PNG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Panel:
+    values: list[float]  # one bar a row
+    ylabel: str
+    title: str
+    marks: list[float] | None = None  # a black tick a row (a goal, an ideal), labelled `marks_label`
+    marks_label: str = ""
+
+
+def bar_panels(path: Path, rows: list[str], panels: list[Panel]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        ax.bar(rows, panel.values)
+        if panel.marks is not None:
+            ax.plot(rows, panel.marks, "k_", markersize=30, label=panel.marks_label)
+            ax.legend()
+        ax.set(ylabel=panel.ylabel, title=panel.title)
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
