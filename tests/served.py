@@ -20,6 +20,7 @@ class Served:
     grpc_address: str  # the router's
     router: router_server.Router
     decode: decode_service.DecodeWorker
+    prefill: prefill_service.PrefillWorker
 
 
 @contextlib.contextmanager
@@ -32,7 +33,7 @@ def serving(config: ClusterConfig, model_name: str) -> Iterator[Served]:
     grpc_address = router.start()
     http = HTTPServer(create_app(grpc_address, model_name, router.telemetry.metrics.registry), "127.0.0.1", 0)
     try:
-        yield Served(f"http://{http.start()}", grpc_address, router, decode)
+        yield Served(f"http://{http.start()}", grpc_address, router, decode, prefill)
     finally:
         http.stop()
         router.stop()

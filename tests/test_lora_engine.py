@@ -70,6 +70,7 @@ def test_more_adapters_than_slots_take_turns_least_recently_used_out(lora_models
     assert engine.adapters is not None and engine.adapters.evictions >= 1
     for (rid, (prompt, _)), name in zip(requests.items(), which, strict=True):
         assert streamed[rid] == peft_greedy(reference, name, prompt, NEW), f"{rid} through {name}"
+    assert engine.occupancy.free_blocks == engine.occupancy.total_blocks, "no KV block leaked"
 
 
 def test_the_least_recently_used_slot_is_written_over(lora_models):
@@ -108,6 +109,7 @@ def test_an_adapter_unloaded_under_load_finishes_its_requests_and_refuses_new_on
     for rid, (prompt, params) in requests.items():
         assert streamed[rid] == peft_greedy(reference, params.adapter or None, prompt, NEW), rid
     assert engine.adapters is not None and name not in engine.adapters.resident, "its slot emptied at the end"
+    assert engine.occupancy.free_blocks == engine.occupancy.total_blocks, "no KV block leaked"
 
 
 def test_an_unloaded_adapter_still_takes_transfers_of_requests_prefilled_before(lora_models):
