@@ -78,7 +78,11 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             error = TransferError(grpc.StatusCode.CANCELLED, f"the sender's stream broke: {e!r}")
         if transfer is not None:
             self.receiver.fail(transfer, error)
-        context.abort(error.code, error.message)
+        # Not `context.abort`: on a grpc.aio server this handler runs on a thread, and abort waits for the
+        # server's event loop, which is gone when the transfer failed because the worker stopped.
+        context.set_code(error.code)
+        context.set_details(error.message)
+        return pb.KVTransferResult(accepted=False)
 
     def JoinGroup(self, request: pb.JoinGroupRequest, context: grpc.ServicerContext) -> pb.JoinGroupResult:
         if self.groups is None:
