@@ -78,19 +78,17 @@ class KVTransferService(pb_grpc.KVTransferServicer):
             error = TransferError(grpc.StatusCode.CANCELLED, f"the sender's stream broke: {e!r}")
         if transfer is not None:
             self.receiver.fail(transfer, error)
-        # Not `context.abort`: on a grpc.aio server this handler runs on a thread, and abort waits for the
-        # server's event loop, which is gone when the transfer failed because the worker stopped.
-        context.set_code(error.code)
-        context.set_details(error.message)
+        _refuse(context, error)
         return pb.KVTransferResult(accepted=False)
 
     def JoinGroup(self, request: pb.JoinGroupRequest, context: grpc.ServicerContext) -> pb.JoinGroupResult:
         if self.groups is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker has no collective transport")
+            _refuse(context, TransferError(grpc.StatusCode.UNIMPLEMENTED, "this worker has no collective transport"))
+            return pb.JoinGroupResult()
         try:
-            self.groups.join(request)  # type: ignore[union-attr]
+            self.groups.join(request)
         except TransferError as e:
-            context.abort(e.code, e.message)
+            _refuse(context, e)
         return pb.JoinGroupResult()
 
     def _chunk(self, header: KVHeader, m: WireChunk):  # type: ignore[no-untyped-def]
@@ -99,6 +97,14 @@ class KVTransferService(pb_grpc.KVTransferServicer):
         if self.groups is None:
             raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no collective transport")
         return self.groups.receive(header, m)
+
+
+def _refuse(context: grpc.ServicerContext, error: TransferError) -> None:
+    """Ends the call with `error`'s status once the handler returns. Not `context.abort`: on a grpc.aio
+    server these handlers run on a thread, and abort waits for the server's event loop, which is gone
+    when a call fails because the worker is stopping, so the thread (and the process's exit) waits forever."""
+    context.set_code(error.code)
+    context.set_details(error.message)
 
 
 def serve(
