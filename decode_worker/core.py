@@ -60,7 +60,7 @@ class CoreHandle(AdapterCalls):
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
         output_token_ids: Sequence[int] = (),
     ) -> None:  # fmt: skip
-        with self._text_for(request_id, [*prompt_token_ids, *output_token_ids], params.stop):
+        with self._text_for(request_id, prompt_token_ids, output_token_ids, params.stop):
             self._send("add_request", request_id, prompt_token_ids, params, output_token_ids)
 
     def submit(
@@ -69,14 +69,15 @@ class CoreHandle(AdapterCalls):
     ) -> None:  # fmt: skip
         """`add_request` without waiting for the engine to take it (a step stream submits many a step);
         if the engine refuses it, `refused` gets what it raised (on the frame reader's thread)."""
-        with self._text_for(request_id, [*prompt_token_ids, *output_token_ids], params.stop):
+        with self._text_for(request_id, prompt_token_ids, output_token_ids, params.stop):
             self._send_later("add_request", (request_id, prompt_token_ids, params, output_token_ids), refused)
 
     def admit(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, first_token: int,
         logprob: TokenLogprob | None = None, num_output: int = 0,
     ) -> None:  # fmt: skip
-        with self._text_for(request_id, token_ids, params.stop):
+        prompt = len(token_ids) - num_output
+        with self._text_for(request_id, token_ids[:prompt], token_ids[prompt:], params.stop):
             self._send("admit", request_id, token_ids, params, first_token, logprob, num_output)
 
     def abort(self, request_id: str) -> bool:
@@ -110,11 +111,13 @@ class CoreHandle(AdapterCalls):
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def _text_for(self, request_id: str, context_token_ids: Sequence[int], stop: Sequence[str]) -> Iterator[None]:
+    def _text_for(
+        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> Iterator[None]:
         if self.text is None:
             yield
             return
-        self.text.open(request_id, context_token_ids, stop)
+        self.text.open(request_id, prompt_token_ids, output_token_ids, stop)
         try:
             yield
         except BaseException:

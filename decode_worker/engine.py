@@ -233,7 +233,7 @@ class Engine:
 
     def _open_stream(self, request: Request) -> None:
         if self.text is not None:
-            self.text.open(request.request_id, request.all_token_ids, request.params.stop)
+            self.text.open(request.request_id, request.prompt_token_ids, request.output_token_ids, request.params.stop)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:

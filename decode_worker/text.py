@@ -119,10 +119,14 @@ class TextStreams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._open
 
-    def open(self, request_id: str, context_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
-        """`context_token_ids`: every token before the request's next one (its prompt, and the output
-        it already has), so that the first new token decodes as it would inline."""
-        self._open[request_id] = IncrementalDetokenizer(self.tokenizer, context_token_ids, stop)
+    def open(
+        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        """The request's prompt, and the output it already has (made on a prefill worker, or before it
+        moved here): the first new token decodes as it would inline, and what the output's text held
+        back (a stop string's possible start) is matched and released with the new text."""
+        self._open[request_id] = IncrementalDetokenizer.after(self.tokenizer, prompt_token_ids, output_token_ids, stop)
 
     def close(self, request_id: str) -> None:
         self._open.pop(request_id, None)

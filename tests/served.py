@@ -4,6 +4,7 @@ worker over gRPC (no Ray), a router, and the router's OpenAI HTTP face, all on l
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,3 +40,15 @@ def serving(config: ClusterConfig, model_name: str) -> Iterator[Served]:
         router.stop()
         prefill.stop()
         decode.stop()
+
+
+def wait_idle(served) -> None:  # type: ignore[no-untyped-def]
+    """Until both workers' pushed loads show nothing running or waiting and every KV block free
+    (cached blocks count as free): a block still held now is a leak."""
+    deadline = time.monotonic() + 30
+    while True:
+        loads = [served.decode.load(), served.prefill.load()]
+        if all(not x.running_seqs and not x.waiting_seqs and x.free_kv_blocks == x.total_kv_blocks for x in loads):
+            return
+        assert time.monotonic() < deadline, f"KV blocks still held: {loads}"
+        time.sleep(0.05)

@@ -23,7 +23,7 @@ from cluster.config import parse_config
 from cluster.model.tokenizer import Tokenizer
 from router.sdk.client import Client, NotFound
 from tests.lora_adapters import peft, peft_greedy, peft_logprobs, write_adapter
-from tests.served import serving
+from tests.served import serving, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
@@ -226,18 +226,6 @@ def test_an_adapter_loaded_and_unloaded_under_load_loses_no_request(adapters, se
         with pytest.raises(NotFound, match=name):
             client.generate(prompt(1, 20), max_tokens=2, adapter=name)
     wait_idle(served)
-
-
-def wait_idle(served) -> None:  # type: ignore[no-untyped-def]
-    """Until both workers' pushed loads show nothing running or waiting and every KV block free
-    (cached blocks count as free): a block still held now is a leak."""
-    deadline = time.monotonic() + 30
-    while True:
-        loads = [served.decode.load(), served.prefill.load()]
-        if all(not x.running_seqs and not x.waiting_seqs and x.free_kv_blocks == x.total_kv_blocks for x in loads):
-            return
-        assert time.monotonic() < deadline, f"KV blocks still held: {loads}"
-        time.sleep(0.05)
 
 
 def streamed(client: Client, p: list[int], adapter: str, first: threading.Event) -> list[int]:

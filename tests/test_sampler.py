@@ -209,3 +209,26 @@ def test_the_detokenizer_keeps_only_the_text_it_has_not_released(tokenizer):
         out.append(detok.add(t))
         assert len(detok._pending) <= len("never there") + 8, "the detokenizer holds more than its hold-back"
     assert "".join(out) + detok.flush() == TEXT * 200
+
+
+@pytest.mark.parametrize("stop", ["wörld", "語 🙂", "\nret", "# done", "never there"])
+def test_a_detokenizer_after_a_move_releases_and_stops_as_the_undisturbed_one(tokenizer, stop):
+    """At every token a request could move at: the client has what the old detokenizer released; the
+    new one, opened `after` the output so far, releases the rest and stops where the old one would
+    have, a stop string that began before the move included (the moves at 1 to len(stop) - 1 characters
+    into it straddle it)."""
+    prompt, ids = tokenizer.encode("# start\n"), tokenizer.encode(TEXT * 3)
+    whole = TEXT * 3
+    expected = whole[: whole.find(stop)] if stop in whole else whole
+    for moved in range(len(ids)):
+        before = IncrementalDetokenizer(tokenizer, prompt, stop=[stop])
+        received = "".join(before.add(t) for t in ids[:moved])
+        if before.stopped:
+            break
+        after = IncrementalDetokenizer.after(tokenizer, prompt, ids[:moved], stop=[stop])
+        for t in ids[moved:]:
+            received += after.add(t)
+            if after.stopped:
+                break
+        received += after.flush()
+        assert received == expected, f"moved after {moved} tokens"

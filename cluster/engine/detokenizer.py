@@ -8,6 +8,10 @@ which keeps each step's cost constant and lets merges that depend on context set
 Stop strings may span token boundaries, so the last `max(len(stop)) - 1` characters are held back
 until they cannot start a stop string. On a match the text is cut before the stop string. Only the
 text not yet released is kept, so each token costs the same however long the output grows.
+
+A request that moved to another worker with output it already had opens with `after`: the output's
+last tokens are replayed, so the new detokenizer holds back what the old one held back (the client
+has not been sent it) and a stop string that began before the move is found across it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,24 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""  # decoded text not yet returned: between calls, at most the held-back tail
         self.stopped = False
+
+    @classmethod
+    def after(
+        cls, tokenizer: Decoder, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+    ) -> IncrementalDetokenizer:  # fmt: skip
+        """A detokenizer for the tokens after `output_token_ids`, holding what one that had released
+        their text as they came would still hold. Replays only the output's tail: enough tokens to
+        make more text than a stop string's hold-back (every token when the output is short)."""
+        take = max((len(s) for s in stop), default=1) + 8
+        while True:
+            start = max(0, len(output_token_ids) - take)
+            context = [*prompt_token_ids[-6:], *output_token_ids[max(0, start - 6) : start]]
+            detokenizer = cls(tokenizer, context, stop)
+            released = sum(len(detokenizer.add(token)) for token in output_token_ids[start:])
+            if start == 0 or released > 0:  # the text before the replayed tail was all released
+                return detokenizer
+            take *= 2
 
     def add(self, token_id: int) -> str:
         """Adds one token; returns the text that is now safe to emit (possibly empty)."""

@@ -107,6 +107,7 @@ class Dispatcher:
                         choice = dataclasses.replace(choice, decode_blocks=0)
                 except (NoCapacity, NoAdapter) as e:
                     raise Abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}") from None
+            stream.carry = ""  # the worker holds back what the last one did, a stop string's start included
             tokens = (stream.prompt, generated)
             if (stream.chunks or generated) and params.prompt_logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=None)  # the client has them: use the cache
@@ -268,7 +269,7 @@ class Dispatcher:
                 msg, arrived = first.result()
                 token = msg.token_ids[0]
                 prompt, output = tokens
-                text = IncrementalDetokenizer(self.tokenizer, [*prompt, *output], params.stop).add(token)
+                text = IncrementalDetokenizer.after(self.tokenizer, prompt, output, params.stop).add(token)
                 yield early_first_token(msg, text), arrived, "prefill"
                 message = await head
                 try:

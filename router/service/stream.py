@@ -150,7 +150,10 @@ class Stream:
     chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (arrival, tokens)
     generated: list[int] = dataclasses.field(default_factory=list)
     sent: list[str] = dataclasses.field(default_factory=list)  # the text sent, piece by piece (joined when moved)
-    carry: str = ""  # text a failed worker held back (a possible stop string, a partial character)
+    # Text a failed worker held back (a stop string's possible start, a partial character): the next
+    # worker replays the output's tail and holds it back too; it goes out here only if no worker is asked
+    # for more (`generate`'s length end after a move).
+    carry: str = ""
     cached_tokens: int | None = None  # prompt tokens the prefill worker found cached
     status: str = "error"
     finish_reason: int = 0
@@ -217,8 +220,8 @@ class Stream:
         self.migrated(decode)
 
     def migrated(self, decode: Callable[[list[int]], str]) -> None:
-        """The tokens streamed so far go to the next worker as output already generated: any of
-        their text the failed worker had not released yet goes out with the next message."""
+        """The tokens streamed so far go to the next worker as output already generated; `carry` is
+        their text the failed worker had not released yet."""
         whole, sent = decode(self.generated) if self.generated else "", "".join(self.sent)
         self.carry = whole[len(sent) :] if whole.startswith(sent) else ""
 
