@@ -107,7 +107,6 @@ class Dispatcher:
                         choice = dataclasses.replace(choice, decode_blocks=0)
                 except (NoCapacity, NoAdapter) as e:
                     raise Abort(grpc.StatusCode.UNAVAILABLE, f"no worker to continue the request on: {e}") from None
-            stream.carry = ""  # the worker holds back what the last one did, a stop string's start included
             tokens = (stream.prompt, generated)
             if (stream.chunks or generated) and params.prompt_logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=None)  # the client has them: use the cache
@@ -202,6 +201,7 @@ class Dispatcher:
         "decode"), with the prefill call beside the decode worker's. Raises `Broken` when either
         fails; the caller decides whether to migrate. However it ends (the client gone included),
         the request is cancelled on both workers."""
+        stream.carry = ""  # the worker holds back what the last one did, a stop string's start included
         remaining = context.time_remaining()  # the client's deadline, passed on to every worker call
         timeout = remaining if remaining is not None and remaining < 1e6 else None
         on_decode, prefill_call = self._submit(worker_rid, tokens, params, choice, timeout, carried)
