@@ -75,6 +75,8 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     routers = "router" if len(status.routers) == 1 else "routers"
     print(f"model {status.model}, {status.requests_in_flight} requests in flight over {len(status.routers)} {routers}")
+    if status.ray:  # Ray's GCS silent: no pool rows below
+        print(f"Ray {status.ray}")
     _print_routers(status.routers)
     print(
         f"{'worker':<12}{'role':<9}{'address':<22}{'health':<8}{'running':>8}{'waiting':>8}"

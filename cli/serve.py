@@ -26,7 +26,7 @@ from cli.generate import stream
 from cluster.auth import api_keys
 from cluster.config import ClusterConfig, serve_config
 from cluster.cpu import auto_dtype
-from cluster.lifeline import ClusterUnavailable, Lifeline
+from cluster.lifeline import OK, ClusterUnavailable, Lifeline
 
 if TYPE_CHECKING:
     from cluster.pools.ray_cluster import RayCluster
@@ -209,15 +209,21 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _watch_ray(cluster: RayCluster, config: ClusterConfig, router: Router | None = None) -> Lifeline:
-    """Watches Ray's GCS: once it has not answered for router.ray_lost_after_s, the router (if
-    any) refuses everything with UNAVAILABLE and `_wait` raises ClusterUnavailable."""
+    """Watches Ray's GCS (`cluster.lifeline`): each change of state goes to stderr and to the router,
+    if any; once Ray is lost, `_wait` raises ClusterUnavailable. With `ray_ha` the GCS comes back
+    with its tables, so nothing is final; without, its raylets give up after reconnect_timeout_s."""
+    ha = config.ray_ha
 
-    def lost(reason: str) -> None:
-        print(f"tandem: {reason}; refusing requests and stopping", file=sys.stderr, flush=True)
+    def changed(state: str, reason: str) -> None:
+        cluster.gcs_answers = state == OK
+        print(f"tandem: Ray is {state}" + (f": {reason}" if reason else ""), file=sys.stderr, flush=True)
         if router is not None:
-            router.lose_cluster(reason)
+            router.ray_changed(state, reason)
 
-    lifeline = Lifeline(cluster.probe, lost, config.router.ray_lost_after_s)
+    gives_up = None if ha.on else ha.reconnect_timeout_s
+    lifeline = Lifeline(cluster.probe, changed, config.router.ray_lost_after_s, gives_up, ha.drain_s)
+    if router is not None:
+        router.ray_changed(OK, "")
     lifeline.start()
     return lifeline
 

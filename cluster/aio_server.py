@@ -34,9 +34,10 @@ class AioServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, service: str = "") -> None:
+        """The health of the server (`service` ""), or of one named part of it."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", status)
+        await self.health.set(service, status)
 
     async def stop(self, grace: float | None = None) -> None:
         await self.set_serving(False)

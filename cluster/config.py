@@ -411,6 +411,36 @@ class AuthConfig(_Part):
         return self
 
 
+class RayHAConfig(_Part):
+    """Ray's GCS fault tolerance: the GCS keeps its tables in Redis, so one that restarts finds the
+    registry, the pools and the workers again (docs/operations.md, "When Ray fails")."""
+
+    fault_tolerant: bool = Field(
+        default=False,
+        description="The GCS of the Ray cluster at ray_address keeps its tables in Redis (the chart's rayHA, "
+        "KubeRay's gcsFaultToleranceOptions): routers serve on while it restarts and wait for it.",
+    )
+    reconnect_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long raylets and workers wait for a GCS that does not answer before they exit (Ray's "
+        "gcs_rpc_server_reconnect_timeout_s; set, with 5 s more, on the Ray that `tandem serve` starts; read "
+        "elsewhere). Without fault tolerance the workers are gone then: routers stop admitting before, so what is in "
+        "flight finishes.",
+    )
+    drain_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="Without fault tolerance: how long before the raylets give up routers stop admitting "
+        "requests, so those in flight finish while their workers live.",
+    )
+
+    @property
+    def on(self) -> bool:
+        """The GCS comes back with its tables."""
+        return self.fault_tolerant
+
+
 class RouterConfig(_Part):
     host: str = Field(default="127.0.0.1", description="Address the public gRPC server binds.")
     port: int = Field(default=50051, ge=0, le=65535, description="Public gRPC port (0 picks a free one).")
@@ -445,8 +475,9 @@ class RouterConfig(_Part):
     ray_lost_after_s: float = Field(
         default=10.0,
         gt=0,
-        description="How long Ray's GCS may not answer before the cluster counts as lost: the router turns "
-        "NOT_SERVING, refuses every request with UNAVAILABLE, and `tandem serve` / `router` / `control` exit 1.",
+        description="How long Ray's GCS may not answer before the router counts it degraded: it serves on from "
+        "the workers' own streams and refuses only what needs Ray (scaling); its health's \"tandem.ray\" service "
+        "turns NOT_SERVING. What follows depends on ray_ha.",
     )
     prefix_routing: Literal["kv", "hash", "random"] = Field(
         default="kv",
@@ -489,6 +520,7 @@ class ClusterConfig(_Part):
     ray_address: str | None = Field(
         default=None, description='Ray cluster to join ("auto", "ray://host:port"); unset starts a local one.'
     )
+    ray_ha: RayHAConfig = Field(default_factory=RayHAConfig, description="Fault tolerance of Ray's GCS (the Ray head).")
 
     @model_validator(mode="after")
     def _sealed_tiers_have_a_secret(self) -> ClusterConfig:

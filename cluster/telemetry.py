@@ -172,6 +172,10 @@ class Metrics:
             "tandem_slo_requests", "Finished requests, by whether they met both TTFT and TPOT targets (goodput).",
             ["met"], registry=r,
         )  # fmt: skip
+        self.ray_state = prom.Enum(
+            "tandem_ray", "Ray's GCS as this process sees it (cluster.lifeline): ok, degraded, draining or lost.",
+            states=["ok", "degraded", "draining", "lost"], registry=r,
+        )  # fmt: skip
 
     def _zero_known_labels(self) -> None:
         """Counters exist from start at 0 for every label value known in advance."""

@@ -161,7 +161,7 @@ def validate_all(objects: dict, raycluster_validator) -> None:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
 
-VALUE_SETS = [None, "gpu-values.yaml", "fixed-size-values.yaml", "existing-secret-values.yaml"]
+VALUE_SETS = [None, "gpu-values.yaml", "fixed-size-values.yaml", "existing-secret-values.yaml", "ray-ha-values.yaml"]
 
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=lambda v: v or "defaults")
@@ -399,6 +399,47 @@ def test_the_grafana_dashboard_ships_beside_the_service_monitor(render):
     assert not [o for o in of_kind(render(None), "ConfigMap") if o["metadata"]["name"].endswith("-dashboards")]
 
 
+def test_ray_ha_keeps_the_gcs_tables_in_the_charts_redis(render, raycluster_validator, tmp_path):
+    """rayHA with the chart's Redis: KubeRay's gcsFaultToleranceOptions name the Redis Service and the
+    password's Secret key, which the Redis pod also serves with; Tandem's config says the GCS comes back."""
+    objects = render("ray-ha-values.yaml")
+    validate_all(objects, raycluster_validator)
+    options = raycluster(objects)["spec"]["gcsFaultToleranceOptions"]
+    name = f"{RELEASE}-ray-redis"
+    assert options["redisAddress"] == f"{name}.{NAMESPACE}.svc:6379"
+    assert options["externalStorageNamespace"] == RELEASE
+    ref = options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": name, "key": "redis-password"}
+    assert len(decode(objects[("Secret", name)]["data"]["redis-password"])) == 32
+    redis = objects[("Deployment", name)]["spec"]
+    assert redis["replicas"] == 1 and redis["strategy"] == {"type": "Recreate"}
+    (pod_redis,) = redis["template"]["spec"]["containers"]
+    assert pod_redis["env"] == [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": ref}}]
+    assert (
+        "--appendonly yes" in pod_redis["command"][-1] and '--requirepass "$REDIS_PASSWORD"' in pod_redis["command"][-1]
+    )
+    assert redis["template"]["spec"]["volumes"] == [{"name": "data", "persistentVolumeClaim": {"claimName": name}}]
+    assert objects[("PersistentVolumeClaim", name)]["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    service = objects[("Service", name)]["spec"]
+    assert service["selector"].items() <= pod_labels(objects[("Deployment", name)]).items()
+    assert cluster_config(objects, tmp_path).ray_ha.on
+    assert not cluster_config(render(), tmp_path).ray_ha.on
+    assert "gcsFaultToleranceOptions" not in raycluster(render())["spec"]
+
+
+def test_ray_ha_with_an_external_redis_runs_none_of_its_own(render, raycluster_validator):
+    values = {"rayHA": {"enabled": True, "redisAddress": "redis.infra.svc:6380", "externalStorageNamespace": "prod",
+                        "passwordSecret": {"name": "infra-redis", "key": "password"}}}  # fmt: skip
+    objects = render(values)
+    validate_all(objects, raycluster_validator)
+    assert raycluster(objects)["spec"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.infra.svc:6380",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "infra-redis", "key": "password"}}},
+        "externalStorageNamespace": "prod",
+    }
+    assert not [key for key in objects if key[1].endswith("-ray-redis")]
+
+
 def test_rays_metrics_follow_within_the_stated_interval(render):
     from cluster.pools.ray_observe import METRICS_REPORT_INTERVAL_MS
 
@@ -436,6 +477,8 @@ def test_secret_from_values(render):
         ({"model": {"volume": {"type": "pvc"}}}, "set model.volume.claimName"),
         ({"tls": {"enabled": True}}, "tls.enabled: set tls.existingSecret"),
         ({"router": {"httpPort": 9090}}, "router.port, router.httpPort and router.metricsPort must differ"),
+        ({"rayHA": {"enabled": True, "redisAddress": "redis.example:6379"}}, "set rayHA.passwordSecret.name"),
+        ({"rayHA": {"redisAddress": "redis.example"}}, "at '/rayHA/redisAddress'"),
     ],
 )
 def test_bad_values_are_refused(helm, tmp_path, values, message):

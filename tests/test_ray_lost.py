@@ -1,15 +1,20 @@
-"""A Ray cluster that dies says so in Tandem's words: `cluster.lifeline.Lifeline` on a fake clock,
-and `tandem serve` whose local Ray loses its GCS (killed here): clients get UNAVAILABLE with
-Tandem's message, health turns NOT_SERVING, and serve exits 1 within the stated time."""
+"""A Ray GCS that stops answering degrades the routers instead of stopping them (`cluster.lifeline` on a
+fake clock; a router in each state), and without ray_ha a `tandem serve` whose GCS is killed finishes its
+streams, drains, refuses in Tandem's words once the raylets give up, and exits 1."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -17,7 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
-from cluster.lifeline import ClusterUnavailable, Lifeline
+from cluster.lifeline import DEGRADED, DRAINING, LOST, OK, RAY_HEALTH, ClusterUnavailable, Lifeline
+from router.openai.app import HTTPServer, create_app
 from router.sdk.client import Client, Unavailable
 from tests.fake_workers import FakeFleet
 from tests.net import free_port
@@ -26,9 +32,9 @@ from tests.test_router_async import make_router
 pytestmark = pytest.mark.ray  # its slow tests start a Ray cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-LOST_AFTER_S = 3.0
-# docs/operations.md: serve exits within router.ray_lost_after_s + 30 s of the GCS's death.
-EXIT_WITHIN_S = LOST_AFTER_S + 30
+LOST_AFTER_S = 3.0  # router.ray_lost_after_s: degraded after this much silence
+GIVES_UP_S, DRAIN_S = 40.0, 12.0  # ray_ha.reconnect_timeout_s and drain_s
+STREAMS, STREAM_TOKENS = 24, 48
 
 
 class FakeClock:
@@ -39,20 +45,45 @@ class FakeClock:
         return self.now
 
 
-def test_lifeline_is_lost_once_after_the_probe_fails_without_a_break():
-    clock, answers, lost = FakeClock(), [], []
+def run_lifeline(answers: list[bool], times: list[float], gives_up_after_s: float | None) -> list[tuple]:
+    """The changes a lifeline makes on a fake clock: the probe answers (True) or not at each time."""
+    clock, changes = FakeClock(), []
 
     def probe() -> None:
         if not answers.pop(0):
-            raise ClusterUnavailable("the Ray cluster is gone")
+            raise ClusterUnavailable("Ray's GCS at 10.0.0.1:6379 does not answer")
 
-    lifeline = Lifeline(probe, lost.append, lost_after_s=5, clock=clock)
-    answers.extend([False, True, False, False, False, False])
-    for t in (0, 1, 2, 4, 6.5, 8):  # fails at 0, answers at 1: the failing run starts again at 2
+    lifeline = Lifeline(
+        probe, lambda *change: changes.append((clock.now, *change)), 3, gives_up_after_s, drain_s=4, clock=clock
+    )
+    for t in times:
         clock.now = t
         lifeline.check()
-    assert lost == ["the Ray cluster is gone (for 6 s)"]  # at 8, six seconds after 2; once
-    assert lifeline.lost and lifeline.check()
+    return changes
+
+
+def test_without_ray_ha_a_silent_gcs_degrades_then_drains_then_is_lost_once():
+    """Silent from 0 (an answer at 1 starts the silence again at 2): degraded at 3 s of silence, draining
+    `drain_s` before the raylets give up (20 s), lost at 20 s, once."""
+    times = [0, 1, 2, 4, 5, 6, 10, 18, 22, 30]
+    answers = [False, True, False, False, False, False, False, False, False, False]
+    changes = run_lifeline(answers, times, gives_up_after_s=20)
+    assert [(t, state) for t, state, _ in changes] == [(5, DEGRADED), (18, DRAINING), (22, LOST)]
+    degraded, draining, lost = (reason for _, _, reason in changes)
+    assert (
+        degraded == "Ray's GCS at 10.0.0.1:6379 does not answer (for 3 s): serving goes on; its raylets give up at 20 s"
+    )
+    assert "(for 16 s): its raylets exit with the workers at 20 s" in draining and "no new one is taken" in draining
+    assert lost == "Ray's GCS at 10.0.0.1:6379 does not answer (for 20 s): its raylets have exited with the workers"
+
+
+def test_a_gcs_that_answers_again_ends_degraded_and_draining_but_never_lost():
+    times = [0, 3, 4, 5, 8, 21, 30, 40]
+    changes = run_lifeline([False, False, True, False, False, False, True, False], times, gives_up_after_s=20)
+    assert [(t, state) for t, state, _ in changes] == [(3, DEGRADED), (4, OK), (8, DEGRADED), (21, DRAINING), (30, OK)]
+    with_ha = run_lifeline([False, False, False, True], [0, 5, 1000, 1001], gives_up_after_s=None)
+    assert [(t, state) for t, state, _ in with_ha] == [(5, DEGRADED), (1001, OK)]  # ray_ha: degraded, never lost
+    assert with_ha[0][2].endswith("serving goes on; it comes back with its tables (ray_ha)")
 
 
 class GonePools:
@@ -64,36 +95,85 @@ class GonePools:
     scale = plan = pool_status = _gone
 
 
-def test_the_router_says_unavailable_in_its_own_words_and_stops_serving_once_ray_is_lost():
+def test_a_router_serves_on_while_ray_is_degraded_drains_then_refuses_once_lost():
+    """Degraded: requests are served, health stays SERVING with "tandem.ray" NOT_SERVING, the HTTP face says
+    degraded, and only what needs Ray is refused, at once, with the reason. Draining: a stream that started
+    before runs to its end, a new one is refused with the reason. Ray back: as before. Lost: nothing more."""
     fleet = FakeFleet()
-    fleet.add("decode-0", "decode")
+    fleet.add("decode-0", "decode", step_s=0.01)
     router = make_router(fleet)
     router.pools = GonePools()  # type: ignore[assignment]
     address = router.start()
+    http = HTTPServer(create_app(address, "fake"), "127.0.0.1", 0)
+    base = f"http://{http.start()}"
+    degraded = "Ray's GCS at 10.0.0.1:6379 does not answer (for 10 s): serving goes on; its raylets give up at 60 s"
     try:
+        router.ray_changed(OK, "")
+        assert (_health(address), _health(address, RAY_HEALTH)) == (SERVING, SERVING)
+        assert _http_health(base) == (200, "ok")
         with grpc.insecure_channel(address) as channel:
             admin = worker_pb2_grpc.AdminStub(channel)
             for call, request in ((admin.GetStatus, worker_pb2.GetStatusRequest()),
                                   (admin.Scale, worker_pb2.ScaleRequest(pool="decode", replicas=2))):  # fmt: skip
-                with pytest.raises(grpc.RpcError) as failed:
+                with pytest.raises(grpc.RpcError) as failed:  # an actor out of reach: Tandem's words, not Ray's
                     call(request, timeout=10)
                 assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert failed.value.details() == "the cluster's pool-decode actor cannot be reached (RayActorError)"
-            assert _health(address) == health_pb2.HealthCheckResponse.SERVING
-            router.lose_cluster("the Ray cluster is gone: its GCS at 10.0.0.1:6379 does not answer (for 10 s)")
-            assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            router.ray_changed(DEGRADED, degraded)
+            assert (_health(address), _health(address, RAY_HEALTH)) == (SERVING, NOT_SERVING)
+            assert _http_health(base) == (200, "degraded")
+            with Client(address, timeout=10, retries=0) as client:
+                assert len(client.generate("x = 1", max_tokens=4).token_ids) == 4
+            status = admin.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+            assert status.ray == f"degraded: {degraded}" and not status.pools and [w.name for w in status.workers]
+            with pytest.raises(grpc.RpcError) as refused:
+                admin.Scale(worker_pb2.ScaleRequest(pool="decode", replicas=2), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert refused.value.details() == f"{degraded}; scaling needs Ray, and waits for it"
+
+        with Client(address, timeout=30, retries=0) as client, ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client.generate, "x = 2", max_tokens=150)  # 1.5 s of steps
+            time.sleep(0.3)
+            draining = "Ray's GCS ... (for 45 s): its raylets exit with the workers at 60 s"
+            router.ray_changed(DRAINING, draining)
+            assert _health(address) == NOT_SERVING and _http_health(base) == (503, "unavailable")
+            with pytest.raises(Unavailable) as refused:
+                client.generate("x = 3", max_tokens=2)
+            assert draining in str(refused.value)
+            assert len(running.result(30).token_ids) == 150, "a stream admitted before the drain runs to its end"
+
+            router.ray_changed(OK, "")
+            assert (_health(address), _health(address, RAY_HEALTH)) == (SERVING, SERVING)
+            assert len(client.generate("x = 4", max_tokens=2).token_ids) == 2
+
+        router.ray_changed(LOST, "Ray's GCS at 10.0.0.1:6379 does not answer (for 60 s): its raylets have exited")
+        assert _health(address) == NOT_SERVING
         with Client(address, timeout=10, retries=0) as client, pytest.raises(Unavailable) as refused:
             client.generate("x = 1", max_tokens=2)
-        assert "does not answer (for 10 s); this router serves nothing more" in str(refused.value)
+        assert "its raylets have exited; this router serves nothing more" in str(refused.value)
     finally:
+        http.stop()
         router.stop()
         fleet.close()
 
 
-def _health(address: str) -> int | None:
+def _http_health(base: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=10) as response:
+            return response.status, json.loads(response.read())["status"]
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["status"]
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _health(address: str, service: str = "") -> int | None:
     try:
         with grpc.insecure_channel(address) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            request = health_pb2.HealthCheckRequest(service=service)
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=2).status
     except grpc.RpcError:
         return None
 
@@ -115,56 +195,126 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-@pytest.mark.slow
-def test_serve_whose_ray_loses_its_gcs_refuses_turns_not_serving_and_exits(tmp_path):
-    port = free_port()
-    config = tmp_path / "cluster.yaml"
-    text = (ROOT / "examples" / "local.yaml").read_text().replace("port: 50051", f"port: {port}")
-    config.write_text(text + f"  ray_lost_after_s: {LOST_AFTER_S}\n")
-    log = tmp_path / "serve.log"  # a file, not a pipe: Ray's own complaints could fill a pipe and block serve
-    serve = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tandem"), "serve", "--config", str(config), "--num-cpus", "2"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
-    )  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    ray_processes: dict[int, str] = {}
-    try:
+def _streams(address: str, n: int, first: threading.Event | None = None) -> list[list[int]]:
+    """`n` requests at once, half greedy and half seeded, each one's tokens; `first` is set once every
+    one of them has its first token."""
+    started = threading.Barrier(n + 1) if first is not None else None
+
+    def one(i: int) -> list[int]:
+        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}
+        with Client(address, timeout=120, retries=0) as client:
+            tokens = []
+            for delta in client.stream(f"def f{i}(x):", max_tokens=STREAM_TOKENS, ignore_eos=True, **sampling):
+                if not tokens and started is not None:
+                    started.wait(60)
+                tokens += delta.token_ids
+            return tokens
+
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
+        if started is not None and first is not None:
+            started.wait(60)
+            first.set()
+        return [f.result(300) for f in futures]
+
+
+class Serve:
+    """A `tandem serve` of examples/local.yaml with two decode workers, on a free port, its stderr in a file
+    (a pipe could fill with Ray's complaints and block it); `gcs()` its GCS's pid."""
+
+    def __init__(self, tmp_path: Path, extra: str, num_cpus: int) -> None:
+        self.port = free_port()
+        config = tmp_path / "cluster.yaml"
+        text = (ROOT / "examples" / "local.yaml").read_text().replace("port: 50051", f"port: {self.port}")
+        two = "decode:\n  replicas: 2\n  autoscaling:\n    min_replicas: 2\n    max_replicas: 3"
+        text = text.replace("decode:\n  replicas: 1", two)
+        config.write_text(text + f"  ray_lost_after_s: {LOST_AFTER_S}\n" + extra)
+        self.log = tmp_path / "serve.log"
+        self.address = f"127.0.0.1:{self.port}"
+        tandem = str(Path(sys.executable).parent / "tandem")
+        self.process = subprocess.Popen(
+            [tandem, "serve", "--config", str(config), "--num-cpus", str(num_cpus)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log.open("w"), text=True,
+        )  # fmt: skip
+        self.ray_processes: dict[int, str] = {}
+
+    def wait_serving(self) -> None:
         deadline = time.monotonic() + 300
-        while _health(address) != health_pb2.HealthCheckResponse.SERVING:
-            assert serve.poll() is None, log.read_text()
+        while _health(self.address) != SERVING:
+            assert self.process.poll() is None, self.log.read_text()
             assert time.monotonic() < deadline, "the cluster did not come up"
             time.sleep(0.5)
-        with Client(address, timeout=60, retries=0) as client:
-            assert client.generate("def add(a, b):", max_tokens=4, temperature=0).text
-        started = log.read_text()  # the dashboard's address and how to authenticate
-        assert "Ray dashboard at http://127.0.0.1:" in started and "`ray get-auth-token`" in started, started
-        ray_processes = _children(serve.pid)
-        gcs = [pid for pid, name in ray_processes.items() if name == "gcs_server"]
-        assert len(gcs) == 1, ray_processes
-        os.kill(gcs[0], signal.SIGKILL)
-        killed = time.monotonic()
+        assert _health(self.address, RAY_HEALTH) == SERVING
 
-        while _health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() - killed < LOST_AFTER_S + 10, "health should turn NOT_SERVING"
-            time.sleep(0.1)
-        with Client(address, timeout=10, retries=0) as client, pytest.raises(Unavailable) as refused:
-            client.generate("x = 1", max_tokens=2)
-        assert "the Ray cluster is gone" in str(refused.value), refused.value
-        assert "ray" not in str(refused.value).replace("Ray", ""), "Tandem's message, not Ray's"
-        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as status:
-            worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
-        assert status.value.code() == grpc.StatusCode.UNAVAILABLE
+    def gcs(self) -> int:
+        self.ray_processes |= _children(self.process.pid)
+        gcs = [pid for pid, name in _children(self.process.pid).items() if name == "gcs_server"]
+        assert len(gcs) == 1, self.ray_processes
+        return gcs[0]
 
-        code = serve.wait(EXIT_WITHIN_S - (time.monotonic() - killed))
-        print(f"serve exited {time.monotonic() - killed:.1f} s after its GCS died")
-        stderr = log.read_text()
-        assert code == 1, stderr
-        assert "tandem: the Ray cluster is gone: its GCS at" in stderr
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-        for pid, name in ray_processes.items():  # whatever of this serve's Ray outlived it (the same process)
+    def status(self) -> worker_pb2.ClusterStatus:
+        with grpc.insecure_channel(self.address) as channel:
+            return worker_pb2_grpc.AdminStub(channel).GetStatus(worker_pb2.GetStatusRequest(), timeout=30)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for pid, name in self.ray_processes.items():  # whatever of this serve's Ray outlived it (the same process)
             with contextlib.suppress(OSError):
                 if Path(f"/proc/{pid}/comm").read_text().strip() == name:
                     os.kill(pid, signal.SIGKILL)
+
+
+def _kill_gcs_under_streams(serve: Serve) -> tuple[list[list[int]], list[list[int]], float]:
+    """The 24 streams fault-free, then again with the GCS killed with SIGKILL once each has its first
+    token: (fault-free tokens, under-loss tokens, when it was killed)."""
+    fault_free = _streams(serve.address, STREAMS)
+    gcs, first = serve.gcs(), threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        under_loss = pool.submit(_streams, serve.address, STREAMS, first)
+        assert first.wait(120), "the streams never got going"
+        os.kill(gcs, signal.SIGKILL)
+        killed = time.monotonic()
+        return fault_free, under_loss.result(300), killed
+
+
+@pytest.mark.slow
+def test_serve_whose_gcs_dies_without_ray_ha_finishes_its_streams_drains_then_refuses_and_exits(tmp_path):
+    """A local `tandem serve` (1 prefill, 2 decode workers) whose GCS is killed with SIGKILL under 24
+    streams, greedy and seeded, without ray_ha: every stream completes with its fault-free output, a new
+    request is still served while degraded, then none is taken (draining), the refusals after the
+    raylets give up name the cause, and serve exits 1."""
+    serve = Serve(tmp_path, f"ray_ha:\n  reconnect_timeout_s: {GIVES_UP_S}\n  drain_s: {DRAIN_S}\n", num_cpus=3)
+    try:
+        serve.wait_serving()
+        started = serve.log.read_text()  # the dashboard's address and how to authenticate
+        assert "Ray dashboard at http://127.0.0.1:" in started and "`ray get-auth-token`" in started, started
+        fault_free, under_loss, killed = _kill_gcs_under_streams(serve)
+        assert under_loss == fault_free, "a stream started before the GCS died changed"
+        assert time.monotonic() - killed < GIVES_UP_S - DRAIN_S, "the streams outlasted the drain: make them shorter"
+
+        while _health(serve.address, RAY_HEALTH) != NOT_SERVING:
+            assert time.monotonic() - killed < LOST_AFTER_S + 10, "Ray's health should turn NOT_SERVING"
+            time.sleep(0.1)
+        assert _health(serve.address) == SERVING, "degraded, the router serves on"
+        with Client(serve.address, timeout=60, retries=0) as client:
+            assert len(client.generate("def g(x):", max_tokens=8, ignore_eos=True).token_ids) == 8
+            status = serve.status()
+            assert status.ray.startswith("degraded: ") and "does not answer" in status.ray, status.ray
+            while _health(serve.address) != NOT_SERVING:  # draining, DRAIN_S before the raylets give up
+                assert time.monotonic() - killed < GIVES_UP_S, "the router should stop admitting before the raylets go"
+                time.sleep(0.2)
+            with pytest.raises(Unavailable) as refused:
+                client.generate("x = 1", max_tokens=2)
+            assert "no new one is taken" in str(refused.value), refused.value
+
+        code = serve.process.wait(GIVES_UP_S + 30 - (time.monotonic() - killed))
+        print(f"serve exited {time.monotonic() - killed:.1f} s after its GCS died")
+        stderr = serve.log.read_text()
+        assert code == 1, stderr
+        assert "tandem: Ray is lost: " in stderr and "its raylets have exited with the workers" in stderr, stderr
+        line = stderr.split("tandem: Ray is lost: ")[1].split("\n")[0]
+        assert "ray." not in line and "Error" not in line, "Tandem's words, not Ray's exceptions"
+    finally:
+        serve.stop()

@@ -240,12 +240,16 @@ class RayCluster:
     owned: bool = True
     started_ray: bool = False
     known: dict[str, str] = field(default_factory=dict)  # the registry's last answer
+    gcs_answers: bool = True  # as the lifeline last found it (`cli.serve._watch_ray`)
     gcs_address: str = field(default_factory=lambda: str(ray.get_runtime_context().gcs_address))
 
     def discover(self) -> dict[str, str]:
         """name -> gRPC address of every registered worker (for the router). While the registry is
         out of reach (its owner is starting it again), the last answer it gave: the workers' own
-        Watch streams tell the router which of them are alive."""
+        Watch streams tell the router which of them are alive. While Ray's GCS is silent, the last
+        answer without asking (a call could wait for Ray's own timeouts)."""
+        if not self.gcs_answers:
+            return dict(self.known)
         try:
             self.known = {name: address for name, (_, address) in self._ask(CONTROLLER, "workers").items()}
         except ClusterUnavailable:
@@ -357,7 +361,7 @@ def start(
     Ray and their node's address on a multi-node cluster."""
     started = not ray.is_initialized()
     if started:
-        local = local_ray_options() if config.ray_address is None else {}
+        local = local_ray_options(config.ray_ha.reconnect_timeout_s) if config.ray_address is None else {}
         ray.init(address=config.ray_address, namespace=namespace, **{**local, **ray_init})
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
     cluster = RayCluster(config, namespace, {CONTROLLER: controller}, started_ray=started)

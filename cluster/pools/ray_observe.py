@@ -60,10 +60,20 @@ def ray_view() -> RayView:
     return RayView(f"http://{url}" if url else None, bool(authentication_utils.is_token_auth_enabled()), metrics)
 
 
-def local_ray_options() -> dict[str, object]:
+# A local Ray's processes (the driver of `tandem serve` among them) wait this much longer for a silent
+# GCS than Tandem's lifeline does: serve says the cluster is lost, in its own words, before Ray ends it.
+LOST_GRACE_S = 5
+
+
+def local_ray_options(reconnect_timeout_s: float) -> dict[str, object]:
     """`ray.init` options for a local Ray that Tandem starts: Ray's metrics follow the actors'
-    gauges within `METRICS_REPORT_INTERVAL_MS` (Ray's default is 10 s)."""
-    return {"_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS}}
+    gauges within `METRICS_REPORT_INTERVAL_MS` (Ray's default is 10 s); its raylets wait for a
+    silent GCS `ray_ha.reconnect_timeout_s` and `LOST_GRACE_S`."""
+    system = {
+        "metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS,
+        "gcs_rpc_server_reconnect_timeout_s": round(reconnect_timeout_s) + LOST_GRACE_S,
+    }
+    return {"_system_config": system}
 
 
 def ray_metric(name: str) -> Any:

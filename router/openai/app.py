@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+from cluster.lifeline import RAY_HEALTH
 from router.openai.fields import FieldError
 from router.openai.request import Plan, chat_plan, completion_plan
 from router.openai.response import Reply, collect, stream
@@ -46,6 +47,24 @@ STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _router_health(grpc_target: str, channel_credentials: Any) -> tuple[bool, bool]:
+    """(the router serves, Ray's GCS answers) from the router's gRPC health."""
+    with (
+        grpc.insecure_channel(grpc_target)
+        if channel_credentials is None
+        else grpc.secure_channel(grpc_target, channel_credentials) as channel
+    ):
+        stub = health_pb2_grpc.HealthStub(channel)
+        serving = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == SERVING
+        try:  # a router without Ray (no lifeline) does not know the service: Ray is not its concern
+            ray = stub.Check(health_pb2.HealthCheckRequest(service=RAY_HEALTH), timeout=2).status == SERVING
+        except grpc.RpcError as e:
+            ray = e.code() == grpc.StatusCode.NOT_FOUND
+        return serving, ray
 
 
 class HTTPError(Exception):
@@ -91,19 +110,13 @@ def create_app(grpc_target: str, model: str, registry: Any = None, channel_crede
 
     @app.get("/health")
     async def health() -> Response:
-        def check() -> int:
-            with (
-                grpc.insecure_channel(grpc_target)
-                if channel_credentials is None
-                else grpc.secure_channel(grpc_target, channel_credentials) as channel
-            ):
-                return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
-
+        """ok; degraded (serving, but Ray's GCS is silent: scaling waits for it); unavailable (503)."""
         try:
-            serving = await asyncio.to_thread(check) == health_pb2.HealthCheckResponse.SERVING
+            serving, ray = await asyncio.to_thread(_router_health, grpc_target, channel_credentials)
         except grpc.RpcError:
-            serving = False
-        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+            serving, ray = False, False
+        status = ("ok" if ray else "degraded") if serving else "unavailable"
+        return JSONResponse({"status": status}, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

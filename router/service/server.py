@@ -18,9 +18,9 @@ Lifecycle of a request:
     end           client cancellation or deadline cancels both worker calls, which abort the
                   request and free its KV on each worker
 
-When the Ray cluster is lost (`lose_cluster`, from `cluster.lifeline.Lifeline`), health turns
-NOT_SERVING and every call gets UNAVAILABLE with the reason; a call to the pool controllers
-that Ray cannot make (`cluster.lifeline.ClusterUnavailable`) is UNAVAILABLE with its message.
+Ray's state (`ray_changed`, from `cluster.lifeline`) decides what is refused (`router.service.ray_gate`)
+and the health: SERVING unless draining or lost; its "tandem.ray" service SERVING while the GCS answers.
+A call to the pool controllers that Ray cannot make (`ClusterUnavailable`) is UNAVAILABLE with its message.
 
 A router started with `start` may `join` the cluster's registry (`router.service.fleet`): then it reports
 its counters there and its `Admin.GetStatus` shows every live router, with the in-flight requests
@@ -43,7 +43,7 @@ from cluster.auth import RequireKey, client_keys, secret_metadata
 from cluster.config import ClusterConfig
 from cluster.engine.structured import for_tokenizer
 from cluster.grpc_server import Refused
-from cluster.lifeline import ClusterUnavailable
+from cluster.lifeline import DRAINING, LOST, OK, RAY_HEALTH, ClusterUnavailable
 from cluster.model.arch import ModelArch
 from cluster.model.gguf import model_folder
 from cluster.model.tokenizer import Tokenizer
@@ -56,6 +56,7 @@ from router.placement.view import WorkerView
 from router.service import adapters
 from router.service.dispatch import Abort, Dispatcher
 from router.service.fleet import Fleet, RouterRegistry, advertised, router_name, totals
+from router.service.ray_gate import RayGate
 from router.service.settings import PoolAdmin, RouterSettings, settings_from_config
 from router.service.stream import Malformed, Stream, account, parse
 from router.service.validate import InvalidRequest, PromptTokenizer, validate
@@ -90,7 +91,7 @@ class Router(worker_pb2_grpc.AdminServicer):
         self.dispatcher = Dispatcher(settings, self.view, telemetry, tokenizer)
         self._in_flight = 0  # touched on the loop only
         self._draining = False
-        self.lost: str | None = None  # why the Ray cluster is gone, once it is
+        self.ray = RayGate()  # Ray's state as the lifeline last said it, and what it refuses
         self.server: AioServer | None = None
         self.name = router_name()
         self.address = ""  # as other routers' status shows it, once started
@@ -137,15 +138,19 @@ class Router(worker_pb2_grpc.AdminServicer):
             time.sleep(0.05)
         return self._in_flight == 0
 
-    def lose_cluster(self, reason: str) -> None:
-        """The Ray cluster is gone: health turns NOT_SERVING and every call gets UNAVAILABLE
-        with `reason`. Requests in flight end as their workers do."""
-        self.lost = reason
+    def ray_changed(self, state: str, reason: str) -> None:
+        """Ray's state (`cluster.lifeline`: ok, degraded, draining or lost) and why: health and what
+        is refused follow it. Requests in flight run on in every state; once lost, they end as their
+        workers do."""
+        self.ray = RayGate(state, reason)
+        self.telemetry.metrics.ray_state.state(state)
         if self.server is not None:
-            self.loop.run(self.server.set_serving(False))
+            serving = state not in (DRAINING, LOST) and not self._draining
+            self.loop.run(self.server.set_serving(serving))
+            self.loop.run(self.server.set_serving(state == OK, RAY_HEALTH))
 
     def stop(self) -> None:
-        if self.fleet is not None and self.lost is None:  # a lost registry cannot be left
+        if self.fleet is not None and not self.ray.lost:  # a lost registry cannot be left
             self.loop.run(self.fleet.leave())
         if self.server is not None:
             self.loop.run(self.server.stop(None))
@@ -207,9 +212,9 @@ class Router(worker_pb2_grpc.AdminServicer):
         try:
             with_model_defaults(request.sampling, self.settings.sampling_defaults)
             prompt, params = validate(request, self.settings.limits, self.tokenizer, self.grammars)
-            if self.lost is not None:
+            if (refused := self.ray.refuses_requests()) is not None:
                 status = "rejected"
-                raise Abort(grpc.StatusCode.UNAVAILABLE, f"{self.lost}; this router serves nothing more")
+                raise Abort(grpc.StatusCode.UNAVAILABLE, refused)
             if self._draining:
                 status = "rejected"
                 raise Abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down; retry elsewhere")
@@ -256,7 +261,7 @@ class Router(worker_pb2_grpc.AdminServicer):
     async def Scale(self, request: worker_pb2.ScaleRequest, context) -> worker_pb2.ScaleResult:  # type: ignore[no-untyped-def,override]
         if self.pools is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router has no pool controllers to scale")
-        await self._refuse_if_lost(context)
+        await self._refuse(context, self.ray.refuses_scaling())
         replan = request.HasField("planned") or request.clear_planned
         if replan and (request.HasField("replicas") or (request.HasField("planned") and request.clear_planned)):
             await context.abort(
@@ -286,7 +291,7 @@ class Router(worker_pb2_grpc.AdminServicer):
 
     async def _adapters(self, context, change, arg) -> worker_pb2.AdapterResult:  # type: ignore[no-untyped-def]
         """An adapter loaded on (or unloaded from) every worker in view, refused unless lora.runtime_loading."""
-        await self._refuse_if_lost(context)
+        await self._refuse(context, self.ray.refuses_calls())
         if not self.settings.adapters_at_runtime:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, adapters.RUNTIME_LOADING_OFF)
         workers = await asyncio.to_thread(self.pool.workers)
@@ -297,11 +302,13 @@ class Router(worker_pb2_grpc.AdminServicer):
             await context.abort(e.code, e.details)
 
     async def GetStatus(self, request: worker_pb2.GetStatusRequest, context) -> worker_pb2.ClusterStatus:  # type: ignore[no-untyped-def,override]
-        await self._refuse_if_lost(context)
+        await self._refuse(context, self.ray.refuses_calls())
         workers = await asyncio.to_thread(self.pool.workers)
         loads = await self._loads(sorted(workers))
+        pools = []
         try:
-            pools = await asyncio.to_thread(self.pools.pool_status) if self.pools is not None else []
+            if self.pools is not None and self.ray.state == OK:  # without Ray's GCS, no pool rows: `ray` says why
+                pools = await asyncio.to_thread(self.pools.pool_status)
         except ClusterUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         own = self._own_status()
@@ -318,6 +325,7 @@ class Router(worker_pb2_grpc.AdminServicer):
             requests_in_flight=in_flight,
             metrics_address=own.metrics_address,
             routers=routers,
+            ray=self.ray.status(),
         )
         for field in ("slo_attainment", "ttft_p90_seconds", "tpot_p90_seconds"):
             if own.HasField(field):
@@ -326,9 +334,11 @@ class Router(worker_pb2_grpc.AdminServicer):
 
     # -- internals ---------------------------------------------------------------------------------
 
-    async def _refuse_if_lost(self, context) -> None:  # type: ignore[no-untyped-def]
-        if self.lost is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.lost}; this router serves nothing more")
+    @staticmethod
+    async def _refuse(context, why: str | None) -> None:  # type: ignore[no-untyped-def]
+        """UNAVAILABLE with `why`, unless it is None (`RayGate`'s refusals)."""
+        if why is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
     def _own_status(self) -> worker_pb2.RouterStatus:
         """This router's counters as they are (called on the loop, where they change)."""

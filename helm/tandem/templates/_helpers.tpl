@@ -50,6 +50,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.auth.existingSecret | default (printf "%s-auth" (include "tandem.fullname" .)) }}
 {{- end }}
 
+{{/* Ray head fault tolerance: the Redis the GCS keeps its tables in, and its password's Secret. */}}
+{{- define "tandem.rayRedis" -}}
+{{- printf "%s-ray-redis" (include "tandem.fullname" .) }}
+{{- end }}
+
+{{- define "tandem.rayRedisAddress" -}}
+{{- .Values.rayHA.redisAddress | default (printf "%s.%s.svc:6379" (include "tandem.rayRedis" .) .Release.Namespace) }}
+{{- end }}
+
+{{- define "tandem.rayRedisSecretName" -}}
+{{- .Values.rayHA.passwordSecret.name | default (include "tandem.rayRedis" .) }}
+{{- end }}
+
 {{- define "tandem.tlsSecretName" -}}
 {{- .Values.tls.existingSecret | default (printf "%s-tls" (include "tandem.fullname" .)) }}
 {{- end }}
@@ -131,6 +144,9 @@ message of the first that fails.
 {{- if and (ne $volume.type "none") (not (hasPrefix (printf "%s/" (trimSuffix "/" $volume.mountPath)) $v.model.path)) }}
 {{- fail (printf "model.path (%s) must lie under model.volume.mountPath (%s)" $v.model.path $volume.mountPath) }}
 {{- end }}
+{{- if and $v.rayHA.enabled $v.rayHA.redisAddress (not $v.rayHA.passwordSecret.name) }}
+{{- fail "rayHA.redisAddress names an external Redis: set rayHA.passwordSecret.name (and .key) to its password's Secret" }}
+{{- end }}
 {{- if and $v.tls.enabled (not $v.tls.existingSecret) (not (and $v.tls.cert $v.tls.key $v.tls.ca)) }}
 {{- fail "tls.enabled: set tls.existingSecret, or tls.cert, tls.key and tls.ca" }}
 {{- end }}
@@ -162,6 +178,7 @@ the Secret, never written here.
 {{- $auth = dict "tls_cert" "/var/run/tandem/tls/tls.crt" "tls_key" "/var/run/tandem/tls/tls.key" "tls_ca" "/var/run/tandem/tls/ca.crt" }}
 {{- end }}
 {{- $generated := dict "ray_address" (include "tandem.rayAddress" .) "model" $model "router" $router "telemetry" $telemetry "auth" $auth }}
+{{- if $v.rayHA.enabled }}{{ $_ := set $generated "ray_ha" (dict "fault_tolerant" true) }}{{ end }}
 {{- range $role := list "prefill" "decode" }}
 {{- $g := index $v $role }}
 {{- $n := int $g.workersPerNode }}

@@ -309,7 +309,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address", "pools", "ttft_p90_seconds", "tpot_p90_seconds", "routers")
+    __slots__ = ("model", "workers", "decisions", "requests_in_flight", "slo_attainment", "metrics_address", "pools", "ttft_p90_seconds", "tpot_p90_seconds", "routers", "ray")
     class DecisionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class ClusterStatus(_message.Message):
     TTFT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TPOT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    RAY_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     decisions: _containers.ScalarMap[str, int]
@@ -337,7 +338,8 @@ class ClusterStatus(_message.Message):
     ttft_p90_seconds: float
     tpot_p90_seconds: float
     routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., ttft_p90_seconds: _Optional[float] = ..., tpot_p90_seconds: _Optional[float] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ...) -> None: ...
+    ray: str
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., decisions: _Optional[_Mapping[str, int]] = ..., requests_in_flight: _Optional[int] = ..., slo_attainment: _Optional[float] = ..., metrics_address: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., ttft_p90_seconds: _Optional[float] = ..., tpot_p90_seconds: _Optional[float] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., ray: _Optional[str] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("name", "address", "metrics_address", "requests_in_flight", "decisions", "slo_attainment", "ttft_p90_seconds", "tpot_p90_seconds", "age_seconds")
