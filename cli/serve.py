@@ -220,7 +220,7 @@ def _watch_ray(cluster: RayCluster, config: ClusterConfig, router: Router | None
         if router is not None:
             router.ray_changed(state, reason)
 
-    gives_up = None if ha.on else ha.reconnect_timeout_s
+    gives_up = None if ha.fault_tolerant else ha.reconnect_timeout_s
     lifeline = Lifeline(cluster.probe, changed, config.router.ray_lost_after_s, gives_up, ha.drain_s)
     if router is not None:
         router.ray_changed(OK, "")

@@ -435,11 +435,6 @@ class RayHAConfig(_Part):
         "requests, so those in flight finish while their workers live.",
     )
 
-    @property
-    def on(self) -> bool:
-        """The GCS comes back with its tables."""
-        return self.fault_tolerant
-
 
 class RouterConfig(_Part):
     host: str = Field(default="127.0.0.1", description="Address the public gRPC server binds.")

@@ -422,8 +422,8 @@ def test_ray_ha_keeps_the_gcs_tables_in_the_charts_redis(render, raycluster_vali
     assert objects[("PersistentVolumeClaim", name)]["spec"]["resources"]["requests"]["storage"] == "1Gi"
     service = objects[("Service", name)]["spec"]
     assert service["selector"].items() <= pod_labels(objects[("Deployment", name)]).items()
-    assert cluster_config(objects, tmp_path).ray_ha.on
-    assert not cluster_config(render(), tmp_path).ray_ha.on
+    assert cluster_config(objects, tmp_path).ray_ha.fault_tolerant
+    assert not cluster_config(render(), tmp_path).ray_ha.fault_tolerant
     assert "gcsFaultToleranceOptions" not in raycluster(render())["spec"]
 
 
