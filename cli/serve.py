@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -68,7 +67,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--timeout",
         type=float,
         default=600.0,
-        help="seconds to wait for the cluster's registry, pools and first worker (default: 600)",
+        help="seconds to wait for Ray's GCS, the cluster's registry, pools and first worker (default: 600)",
     )
     router.set_defaults(run=_router)
 
@@ -200,11 +199,22 @@ def _wait_for_workers(discover: Callable[[], dict[str, str]], deadline: float) -
         time.sleep(0.5)
 
 
-def _stop_on_signals() -> threading.Event:
-    """An event that SIGINT or SIGTERM sets."""
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+class Signalled:
+    """Whether SIGINT or SIGTERM has come. Its handlers only assign a flag: a handler runs between two
+    bytecodes of the main thread, whatever lock that holds then (one that set a `threading.Event`
+    deadlocked on the event's own lock when a second signal came while the first was setting it)."""
+
+    def __init__(self) -> None:
+        self.came = False
+
+    def __call__(self, *_: object) -> None:
+        self.came = True
+
+
+def _stop_on_signals() -> Signalled:
+    stop = Signalled()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     return stop
 
 
@@ -228,9 +238,10 @@ def _watch_ray(cluster: RayCluster, config: ClusterConfig, router: Router | None
     return lifeline
 
 
-def _wait(stop: threading.Event, lifeline: Lifeline | None) -> None:
-    """Returns once `stop` is set; raises ClusterUnavailable once the Ray cluster is lost."""
-    while not stop.wait(0.2):
+def _wait(stop: Signalled, lifeline: Lifeline | None) -> None:
+    """Returns once a signal came; raises ClusterUnavailable once the Ray cluster is lost."""
+    while not stop.came:
+        time.sleep(0.2)
         if lifeline is not None and lifeline.lost:
             raise ClusterUnavailable(lifeline.reason)
 
@@ -238,7 +249,7 @@ def _wait(stop: threading.Event, lifeline: Lifeline | None) -> None:
 def _serve_until_stopped(
     router: Router,
     config: ClusterConfig,
-    stop: threading.Event,
+    stop: Signalled,
     on_stop: Callable[[], None] | None = None,
     lifeline: Lifeline | None = None,
 ) -> None:

@@ -418,7 +418,16 @@ class RayHAConfig(_Part):
     fault_tolerant: bool = Field(
         default=False,
         description="The GCS of the Ray cluster at ray_address keeps its tables in Redis (the chart's rayHA, "
-        "KubeRay's gcsFaultToleranceOptions): routers serve on while it restarts and wait for it.",
+        "KubeRay's gcsFaultToleranceOptions): routers serve on while it restarts and wait for it. "
+        "Set by redis_address.",
+    )
+    redis_address: str | None = Field(
+        default=None,
+        description='Redis ("host:port") where the GCS of the local Ray that `tandem serve` starts keeps its '
+        "tables; serve starts a GCS that dies again. Unset: that GCS keeps them in memory only.",
+    )
+    redis_password: SecretStr | None = Field(
+        default=None, description="That Redis's password; unset: TANDEM_RAY_REDIS_PASSWORD, else none."
     )
     reconnect_timeout_s: float = Field(
         default=60.0,
@@ -434,6 +443,17 @@ class RayHAConfig(_Part):
         description="Without fault tolerance: how long before the raylets give up routers stop admitting "
         "requests, so those in flight finish while their workers live.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redis_is_fault_tolerance(cls, data: Any) -> Any:
+        address = data.get("redis_address") if isinstance(data, dict) else None
+        if address is None:
+            return data
+        host, _, port = str(address).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f'ray_ha.redis_address is "host:port", not {address!r}')
+        return {**data, "fault_tolerant": True}
 
 
 class RouterConfig(_Part):

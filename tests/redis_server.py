@@ -19,10 +19,17 @@ needs_redis = pytest.mark.skipif(REDIS is None, reason="no redis-server binary (
 
 class RedisServer:
     def __init__(
-        self, directory: Path, password: str = "test-secret", maxmemory: str = "64mb", tls: dict | None = None
+        self,
+        directory: Path,
+        password: str = "test-secret",
+        maxmemory: str = "64mb",
+        tls: dict | None = None,
+        policy: str = "allkeys-lru",
     ) -> None:
-        """`tls`: {"ca", "cert", "key"} (`cluster.tls.generate_dev_certs`) serves TLS only."""
+        """`tls`: {"ca", "cert", "key"} (`cluster.tls.generate_dev_certs`) serves TLS only; `policy`: what
+        Redis does past `maxmemory` (a store of tables that must not lose a key: "noeviction")."""
         self.directory, self.password, self.maxmemory, self.tls = directory, password, maxmemory, tls
+        self.policy = policy
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -40,7 +47,7 @@ class RedisServer:
         else:
             args += ["--port", str(self.port)]
         args += ["--save", "", "--appendonly", "no", "--dir", str(self.directory)]
-        args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 

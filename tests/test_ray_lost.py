@@ -27,6 +27,7 @@ from router.openai.app import HTTPServer, create_app
 from router.sdk.client import Client, Unavailable
 from tests.fake_workers import FakeFleet
 from tests.net import free_port
+from tests.redis_server import RedisServer, needs_redis
 from tests.test_router_async import make_router
 
 pytestmark = pytest.mark.ray  # its slow tests start a Ray cluster
@@ -195,14 +196,14 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _streams(address: str, n: int, first: threading.Event | None = None) -> list[list[int]]:
+def _streams(address: str, n: int, first: threading.Event | None = None, retries: int = 0) -> list[list[int]]:
     """`n` requests at once, half greedy and half seeded, each one's tokens; `first` is set once every
-    one of them has its first token."""
+    one of them has its first token. `retries`: how often the SDK may resume one through another router."""
     started = threading.Barrier(n + 1) if first is not None else None
 
     def one(i: int) -> list[int]:
         sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}
-        with Client(address, timeout=120, retries=0) as client:
+        with Client(address, timeout=120, retries=retries) as client:
             tokens = []
             for delta in client.stream(f"def f{i}(x):", max_tokens=STREAM_TOKENS, ignore_eos=True, **sampling):
                 if not tokens and started is not None:
@@ -318,3 +319,159 @@ def test_serve_whose_gcs_dies_without_ray_ha_finishes_its_streams_drains_then_re
         assert "ray." not in line and "Error" not in line, "Tandem's words, not Ray's exceptions"
     finally:
         serve.stop()
+
+
+@needs_redis
+@pytest.mark.slow
+def test_serve_whose_gcs_dies_with_ray_ha_loses_nothing_and_its_head_comes_back(tmp_path):
+    """With ray_ha on a real Redis: the GCS killed with SIGKILL under 24 streams (greedy and seeded) is
+    started again from Redis on its port; no stream is lost or changed, Ray's health is ok again, and
+    then a `scale` starts a worker and a worker killed afterwards is restarted by Ray."""
+    redis = RedisServer(tmp_path, password="ray-ha-test", maxmemory="256mb", policy="noeviction").start()
+    extra = f"ray_ha:\n  redis_address: 127.0.0.1:{redis.port}\n  redis_password: ray-ha-test\n"
+    serve = Serve(tmp_path, extra, num_cpus=4)
+    try:
+        serve.wait_serving()
+        before = serve.gcs()
+        fault_free, under_loss, killed = _kill_gcs_under_streams(serve)
+        assert under_loss == fault_free, "a stream changed while the GCS was gone"
+        deadline = time.monotonic() + 120
+        while serve.gcs() == before or _health(serve.address, RAY_HEALTH) != SERVING or serve.status().ray:
+            assert time.monotonic() < deadline, f"the GCS did not come back: {serve.log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        print(f"Ray ok again {time.monotonic() - killed:.1f} s after its GCS died")
+        assert "starting it again from Redis" in serve.log.read_text()
+        assert _health(serve.address) == SERVING and len(_streams(serve.address, 4)) == 4
+
+        with grpc.insecure_channel(serve.address) as channel:
+            admin = worker_pb2_grpc.AdminStub(channel)
+            admin.Scale(worker_pb2.ScaleRequest(pool="decode", replicas=3), timeout=60)
+        addresses = _wait_for_workers(serve, 4)  # 1 prefill and 3 decode workers, each healthy
+        victim = next(iter(_workers(serve)))
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while (after := _wait_for_workers(serve, 4)) == addresses:
+            assert time.monotonic() < deadline, "Ray did not restart the killed worker"
+            time.sleep(0.5)
+        assert len(set(after.values()) - set(addresses.values())) == 1, "one worker came back at a new address"
+    finally:
+        serve.stop()
+        redis.stop()
+
+
+def _wait_for_workers(serve: Serve, n: int) -> dict[str, str]:
+    """name -> address of the cluster's workers, once `n` are registered and healthy."""
+    deadline = time.monotonic() + 180
+    while True:
+        workers = serve.status().workers
+        if len(workers) == n and all(w.healthy for w in workers):
+            return {w.name: w.address for w in workers}
+        assert time.monotonic() < deadline, f"{n} healthy workers expected: {workers}"
+        time.sleep(0.5)
+
+
+def _workers(serve: Serve) -> dict[int, str]:
+    """pid -> command line of this serve's Tandem worker actors (descendants of its raylet)."""
+    raylets = [pid for pid, name in _children(serve.process.pid).items() if name == "raylet"]
+    found = {}
+    for raylet in raylets:
+        for pid in _children(raylet):
+            with contextlib.suppress(OSError):
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if args.startswith("ray::WorkerActor"):
+                    found[pid] = args
+    return found
+
+
+@needs_redis
+@pytest.mark.slow
+def test_while_the_head_is_down_routers_serve_resume_and_report_and_a_new_router_waits_for_it(tmp_path):
+    """With ray_ha and two routers sharing the port, the GCS stopped (SIGSTOP: a head that does not
+    answer): a router replica killed under 24 streams loses none of them (the SDK resumes each through
+    the other router), the routers' and workers' /metrics still answer with Ray marked degraded, a
+    `tandem router` started meanwhile says it waits for Ray's GCS, then joins once the GCS answers, and
+    a worker killed meanwhile is restarted once it does."""
+    redis = RedisServer(tmp_path, password="ray-ha-test", maxmemory="256mb", policy="noeviction").start()
+    extra = f"  replicas: 2\nray_ha:\n  redis_address: 127.0.0.1:{redis.port}\n  redis_password: ray-ha-test\n"
+    serve = Serve(tmp_path, extra, num_cpus=4)
+    late, late_log = None, tmp_path / "late-router.log"
+    try:
+        serve.wait_serving()
+        while len((status := serve.status()).routers) < 2:  # the replica's first report
+            assert serve.process.poll() is None, serve.log.read_text()
+            time.sleep(0.5)
+        exporters = [w.load.metrics_address for w in status.workers]
+        assert len(exporters) == 3, status
+        addresses = _wait_for_workers(serve, 3)
+        fault_free = _streams(serve.address, STREAMS)
+        gcs = serve.gcs()
+        (replica,) = [pid for pid in _children(serve.process.pid) if b" router " in _cmdline(pid)]
+        os.kill(gcs, signal.SIGSTOP)
+        stopped, first = time.monotonic(), threading.Event()
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                under_loss = pool.submit(_streams, serve.address, STREAMS, first, 3)
+                assert first.wait(120), "the streams never got going"
+                os.kill(replica, signal.SIGKILL)
+                late = _start_router(serve, gcs, late_log)
+                assert under_loss.result(300) == fault_free, "a stream was lost or changed"
+            while _health(serve.address, RAY_HEALTH) == SERVING:
+                assert time.monotonic() - stopped < LOST_AFTER_S + 10, "Ray's health should say degraded"
+                time.sleep(0.2)
+            for exporter in exporters:
+                with urllib.request.urlopen(f"http://{exporter}/metrics", timeout=10) as response:
+                    assert response.status == 200 and b"tandem_" in response.read()
+            router = serve.status().metrics_address  # serve's own router: the replica is gone
+            with urllib.request.urlopen(f"http://{router}/metrics", timeout=10) as response:
+                assert 'tandem_ray{tandem_ray="degraded"} 1.0' in response.read().decode()
+            while "does not answer yet; waiting" not in late_log.read_text():
+                assert late.poll() is None and time.monotonic() - stopped < 60, late_log.read_text()
+                time.sleep(0.2)
+            assert not _ready(late, 0), "it joined before the GCS answered"
+            os.kill(next(iter(_workers(serve))), signal.SIGKILL)  # restarted once the GCS answers
+        finally:
+            os.kill(gcs, signal.SIGCONT)
+        assert _ready(late, 120), late_log.read_text()
+        while _health(serve.address, RAY_HEALTH) != SERVING:
+            assert time.monotonic() - stopped < 120, "Ray's health should be ok again"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 120
+        while (after := _wait_for_workers(serve, 3)) == addresses:
+            assert time.monotonic() < deadline, "Ray did not restart the worker killed while its GCS was away"
+            time.sleep(0.5)
+        assert len(set(after.values()) - set(addresses.values())) == 1, "one worker came back at a new address"
+    finally:
+        if late is not None:
+            late.kill()
+            late.wait()
+        serve.stop()
+        redis.stop()
+
+
+def _cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    return b""
+
+
+def _start_router(serve: Serve, gcs: int, log: Path) -> subprocess.Popen:
+    """`tandem router` on a port of its own, attaching to the serve's Ray at its GCS's address."""
+    args = dict(a.split("=", 1) for a in _cmdline(gcs).decode().split() if a.startswith("--") and "=" in a)
+    session, node = Path(args["--session-dir"]), args["--node-id"]
+    port = (session / f"gcs_server_port_{node}").read_text().strip()  # Ray starts it on port 0
+    host = args["--node-ip-address"]
+    config = str(serve.log.parent / "cluster.yaml")
+    tandem = str(Path(sys.executable).parent / "tandem")
+    argv = [tandem, "router", "--config", config, "--port", str(free_port()), "--ray-address", f"{host}:{port}"]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+
+
+def _ready(router: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether `router` printed its "router NAME at ADDRESS" line within `timeout_s`."""
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(router.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            return False
+    return router.stdout.readline().startswith("router ")

@@ -75,6 +75,7 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path):
         runner.start()
         assert first.wait(60)
         serve.send_signal(signal.SIGTERM)
+        serve.send_signal(signal.SIGINT)  # a second signal while the first is handled changes nothing
         deadline = time.monotonic() + 5
         while health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health should turn NOT_SERVING at once"

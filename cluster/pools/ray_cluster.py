@@ -43,6 +43,7 @@ from tandem.v1 import worker_pb2
 
 from cluster.config import ClusterConfig, dump_config
 from cluster.lifeline import ClusterUnavailable
+from cluster.pools import ray_head
 from cluster.pools.controller import PoolController
 from cluster.pools.ray_observe import local_ray_options, mirror_load, ray_metric, zero
 from cluster.pools.registry import ROUTER, Registry, fleet_latency
@@ -241,6 +242,8 @@ class RayCluster:
     started_ray: bool = False
     known: dict[str, str] = field(default_factory=dict)  # the registry's last answer
     gcs_answers: bool = True  # as the lifeline last found it (`cli.serve._watch_ray`)
+    keeper: Any = None  # the `ray_head.GcsKeeper` of a local head whose GCS keeps its tables in Redis
+    redis_prefix: str | None = None  # those tables' key prefix
     gcs_address: str = field(default_factory=lambda: str(ray.get_runtime_context().gcs_address))
 
     def discover(self) -> dict[str, str]:
@@ -320,8 +323,12 @@ class RayCluster:
                         ray.get(pool.stop.remote(), timeout=60)
                     ray.kill(pool, no_restart=True)
             ray.kill(self.actors[CONTROLLER], no_restart=True)
+        if self.keeper is not None:
+            self.keeper.stop()
         if self.started_ray:
             ray.shutdown()
+        if self.redis_prefix is not None:
+            ray_head.forget(self.config.ray_ha, self.redis_prefix)
 
     def _ask(self, actor: str, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
         """Calls a method of one of the cluster's actors. An attached handle whose actor died (the
@@ -360,11 +367,18 @@ def start(
     (one cluster per namespace). Workers serve on `bind_host`; by default loopback for a local
     Ray and their node's address on a multi-node cluster."""
     started = not ray.is_initialized()
+    head_ha = started and config.ray_address is None and config.ray_ha.redis_address is not None
+    prefix = None
     if started:
         local = local_ray_options(config.ray_ha.reconnect_timeout_s) if config.ray_address is None else {}
+        if head_ha:  # the GCS keeps its tables in Redis, and is started again when it dies
+            redis, prefix = ray_head.redis_options(config.ray_ha)
+            local.update(redis)
         ray.init(address=config.ray_address, namespace=namespace, **{**local, **ray_init})
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
     cluster = RayCluster(config, namespace, {CONTROLLER: controller}, started_ray=started)
+    if head_ha:
+        cluster.keeper, cluster.redis_prefix = ray_head.GcsKeeper().start(), prefix
     host = bind_host or ("127.0.0.1" if config.ray_address is None else "node")
     try:
         config_json = dump_config(config)
@@ -388,15 +402,56 @@ def attach(
     cluster) and waits up to `timeout_s` for the registry and both pools to exist. It creates
     nothing, so the returned handle's `shutdown` leaves them running."""
     started = not ray.is_initialized()
-    if started:  # the workers' logs go to the process that owns the cluster, not to every router
-        ray.init(address=address or config.ray_address or "auto", namespace=namespace, log_to_driver=False)
+    deadline = time.monotonic() + timeout_s
+    if started:
+        _connect(address or config.ray_address or "auto", namespace, deadline)
     try:
-        actors = _find([CONTROLLER, *(f"pool-{role}" for role in POOLS)], namespace, timeout_s)
+        actors = _find([CONTROLLER, *(f"pool-{role}" for role in POOLS)], namespace, deadline - time.monotonic())
     except TimeoutError:
         if started:
             ray.shutdown()
         raise
     return RayCluster(config, namespace, actors, owned=False, started_ray=started)
+
+
+def _connect(address: str, namespace: str, deadline: float) -> None:
+    """Joins Ray at `address` once its GCS answers, waiting until `deadline` for one that does not yet
+    (a head that is restarting) and saying so: `ray.init` itself would retry for minutes without a
+    word. The workers' logs go to the process that owns the cluster, not to every router."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    gcs = canonicalize_bootstrap_address(address) if address == "auto" else address
+    said = 0.0
+    while not address.startswith("ray://") and (gcs is None or not _answers(gcs)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ClusterUnavailable(f"Ray's GCS at {gcs or 'this node'} did not answer: is its head running?")
+        if time.monotonic() - said >= 5:
+            said = time.monotonic()
+            logging.getLogger("tandem.cluster").warning(
+                "Ray's GCS at %s does not answer yet; waiting %.0f s more for it", gcs or "this node", left
+            )
+        time.sleep(min(1.0, left))
+        gcs = gcs or canonicalize_bootstrap_address(address)
+    # Ray asks a process that joins for its token (a local head made one: ~/.ray/auth_token) only where
+    # RAY_AUTH_MODE says so; this user's token, where there is one, goes with every call
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+def _answers(gcs: str, timeout_s: float = 5.0) -> bool:
+    """Whether a gRPC server answers at `gcs` (a connection made and its first frames exchanged), on a
+    connection of its own: never one in gRPC's backoff after an earlier try failed."""
+    import grpc
+
+    with grpc.insecure_channel(gcs, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
 
 
 def _find(names: list[str], namespace: str, timeout_s: float) -> dict[str, Any]:
