@@ -86,6 +86,33 @@ def test_the_registry_keeps_routers_apart_from_workers_and_forgets_silent_ones()
     assert registry.router_reports() == []
 
 
+def test_a_registry_started_again_is_refilled_and_one_that_left_stays_out():
+    """A fresh registry (Ray started it again) learns the workers from their heartbeats and the routers
+    from their reports; a router forgotten while silent comes back when it reports; a late heartbeat
+    of a worker that unregistered does not bring it back, while one restarted at a new address does."""
+    clock = Clock()
+    registry = Registry(clock)
+    registry.register("decode-0", "decode", "10.0.0.1:1")  # a heartbeat
+    registry.report("router-a", report("router-a", address="10.0.0.2:50051"))
+    assert registry.workers() == {"decode-0": ("decode", "10.0.0.1:1")}
+    assert registry._members["router-a"] == ("router", "10.0.0.2:50051")
+    assert len(registry.router_reports()) == 1
+
+    clock.now += REPORT_TTL_S + 1  # silent (Ray's GCS away): forgotten, then back with its next report
+    assert registry.router_reports() == []
+    registry.report("router-a", report("router-a", address="10.0.0.2:50051"))
+    assert len(registry.router_reports()) == 1
+
+    registry.unregister("decode-0")  # retired
+    registry.register("decode-0", "decode", "10.0.0.1:1")  # its last heartbeat, arriving late
+    assert registry.workers() == {}
+    registry.register("decode-0", "decode", "10.0.0.1:2")  # started again under its name
+    assert registry.workers() == {"decode-0": ("decode", "10.0.0.1:2")}
+    registry.unregister("router-a")
+    registry.report("router-a", report("router-a", address="10.0.0.2:50051"))  # one still under way
+    assert registry.router_reports() == [] and "router-a" not in registry._members
+
+
 def test_the_pools_latency_signal_is_the_slowest_routers_p90():
     reports = [
         report("a", ttft_p90_seconds=0.2, tpot_p90_seconds=0.05),

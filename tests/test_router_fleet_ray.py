@@ -2,14 +2,17 @@
 in this process joined to the registry and a second one as a `tandem router` process attached to
 the same cluster. Both serve; either one's status lists both with their requests summed; a router
 killed drops out within the registry's staleness bound; an attached handle's shutdown leaves the
-pools running; the pools' latency signal comes from the routers' reports."""
+pools running; the pools' latency signal comes from the routers' reports; a registry that Ray starts
+again under live routers loses no stream and is refilled."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -19,7 +22,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 from cluster.config import dump_config, parse_config
 from cluster.pools import ray_cluster
-from cluster.pools.registry import REPORT_TTL_S
+from cluster.pools.registry import REGISTER_EVERY_S, REPORT_TTL_S
 from router.sdk.client import Client
 from router.service.replicas import command
 from router.service.server import from_config
@@ -137,6 +140,49 @@ def test_the_pools_read_the_routers_latency_from_their_reports(cluster, routers)
     ttft, tpot = ops.latency()
     assert ttft is not None and tpot is not None
     assert ttft == pytest.approx(slowest, rel=0.5), "the highest TTFT p90 among the routers"
+
+
+def streams(addresses: dict[str, str], first: threading.Event | None = None) -> list[list[int]]:
+    """8 streams over both routers in turn, half greedy and half seeded: each one's tokens; `first` is
+    set once each has its first token."""
+    targets, started = list(addresses.values()), threading.Barrier(9) if first else None
+
+    def one(i: int) -> list[int]:
+        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}
+        tokens: list[int] = []
+        with Client(targets[i % 2], timeout=120, retries=0) as client:
+            for delta in client.stream(PROMPT, max_tokens=64, ignore_eos=True, **sampling):
+                if not tokens and started is not None:
+                    started.wait(60)
+                tokens += delta.token_ids
+        return tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        if started is not None and first is not None:
+            started.wait(60)
+            first.set()
+        return [f.result(120) for f in futures]
+
+
+def test_a_registry_started_again_under_live_routers_loses_nothing_and_is_refilled(cluster, routers):
+    """The registry (the `controller` actor) killed under 8 streams through both routers: Ray starts it
+    again in a new process; every stream ends with its fault-free tokens, and the new registry lists
+    every worker (their heartbeats) and both routers (their reports) again, as either router shows."""
+    addresses, _ = routers
+    registry = cluster.actors[ray_cluster.CONTROLLER]
+    pid = ray.get(registry.__ray_call__.remote(lambda self: os.getpid()))
+    workers = ray.get(registry.workers.remote())
+    fault_free, first = streams(addresses), threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        under_loss = pool.submit(streams, addresses, first)
+        assert first.wait(60), "the streams never got going"
+        ray.kill(registry, no_restart=False)
+        assert under_loss.result(180) == fault_free, "a stream changed while the registry was away"
+    assert ray.get(registry.__ray_call__.remote(lambda self: os.getpid()), timeout=60) != pid, "a new process"
+    wait_for(lambda: ray.get(registry.workers.remote()) == workers, 2 * REGISTER_EVERY_S + 5, "every worker back")
+    for address in addresses.values():
+        wait_for(lambda a=address: {r.name for r in status(a).routers} == set(addresses), 10, "both routers back")
 
 
 def test_a_killed_router_drops_out_within_the_staleness_bound(routers):

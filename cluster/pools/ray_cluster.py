@@ -46,14 +46,14 @@ from cluster.lifeline import ClusterUnavailable
 from cluster.pools import ray_head
 from cluster.pools.controller import PoolController
 from cluster.pools.ray_observe import local_ray_options, mirror_load, ray_metric, zero
-from cluster.pools.registry import ROUTER, Registry, fleet_latency
+from cluster.pools.registry import REGISTER_EVERY_S, ROUTER, Registry, fleet_latency
 
 NAMESPACE = "tandem"
 CONTROLLER = "controller"
 ROLES = {"prefill": "prefill_worker.service", "decode": "decode_worker.service"}
 POOLS = ("decode", "prefill")
 # The registry: the workers' and routers' addresses and the routers' status reports.
-Controller = ray.remote(num_cpus=0)(Registry)
+Controller = ray.remote(num_cpus=0, max_restarts=-1)(Registry)  # started again, the workers and routers refill it
 
 
 WORKER_FATAL_EXIT = 70  # a worker process's exit status when its worker cannot go on (its engine core died)
@@ -77,8 +77,18 @@ class WorkerActor:
         self.worker.on_fatal = _exit_for_a_restart
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
         self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
-        ray.get_actor(CONTROLLER, namespace=namespace).register.remote(name, role, self.address)
+        registry = ray.get_actor(CONTROLLER, namespace=namespace)
+        registry.register.remote(name, role, self.address)
         threading.Thread(target=mirror_load, args=(self.worker.load, name, role), daemon=True).start()
+        threading.Thread(target=self._keep_registered, args=(registry, name, role), daemon=True).start()
+
+    def _keep_registered(self, registry: Any, name: str, role: str) -> None:
+        """Registers again every `REGISTER_EVERY_S`: a registry that Ray started again learns of this
+        worker (a call that cannot be made now is simply the next one's to make)."""
+        while True:
+            time.sleep(REGISTER_EVERY_S)
+            with contextlib.suppress(Exception):
+                registry.register.remote(name, role, self.address)
 
     def get_address(self) -> str:
         return self.address

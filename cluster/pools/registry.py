@@ -7,6 +7,11 @@ Lifecycle of a router in it:
     report      a serialized `RouterStatus` about once a second, stamped on arrival by the
                 registry's own clock (no two machines' clocks are compared)
     forgotten   when it unregisters, or once its last report is `REPORT_TTL_S` old (it died)
+
+A worker registers when it starts and again every `REGISTER_EVERY_S`, so a registry that Ray started
+again (its state lost with its process) is whole within that; a router's report registers it again.
+A name that unregistered is not taken back at the same address: a late call from one that left (a
+retired worker's last heartbeat) cannot bring it back, while a worker restarted at a new address can.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from tandem.v1 import worker_pb2
 
 ROUTER = "router"
 REPORT_TTL_S = 5.0  # a router silent this long is gone: five missed reports, not one slow one
+REGISTER_EVERY_S = 2.0  # how often a worker registers again
 
 
 class Registry:
@@ -25,11 +31,18 @@ class Registry:
         self.clock = clock
         self._members: dict[str, tuple[str, str]] = {}  # name -> (role, address)
         self._reports: dict[str, tuple[float, bytes]] = {}  # router -> (received, report)
+        self._left: dict[str, str] = {}  # name -> the address it unregistered from
 
     def register(self, name: str, role: str, address: str) -> None:
-        self._members[name] = (role, address)
+        if self._left.get(name) != address:
+            self._members[name] = (role, address)
 
     def unregister(self, name: str) -> None:
+        if (member := self._members.get(name)) is not None:
+            self._left[name] = member[1]
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
         self._members.pop(name, None)
         self._reports.pop(name, None)
 
@@ -38,7 +51,10 @@ class Registry:
         return {name: member for name, member in self._members.items() if member[0] != ROUTER}
 
     def report(self, name: str, report: bytes) -> None:
-        self._reports[name] = (self.clock(), report)
+        if name not in self._members:  # forgotten while silent, or a registry started again
+            self.register(name, ROUTER, worker_pb2.RouterStatus.FromString(report).address)
+        if name in self._members:
+            self._reports[name] = (self.clock(), report)
 
     def router_reports(self) -> list[tuple[float, bytes]]:
         """(age in seconds, report) of each router heard from within `REPORT_TTL_S`; a router
@@ -46,7 +62,7 @@ class Registry:
         now = self.clock()
         for name, (received, _) in list(self._reports.items()):
             if now - received > REPORT_TTL_S:
-                self.unregister(name)
+                self._forget(name)  # not `unregister`: a router that only went silent may report again
         return [(now - received, report) for received, report in self._reports.values()]
 
 
