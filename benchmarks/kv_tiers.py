@@ -1,6 +1,6 @@
 """KV tiers under multi-turn chat whose conversations do not fit in the pools, side by side in one run:
-tiers off; host; host + disk; host + disk + shared (Redis); and the shared tier under random
-placement (a turn lands on a worker that may never have seen its chat).
+tiers off; host; host + disk; host + disk + shared (Redis); and, under random placement (a turn
+lands on a worker that may never have seen its chat), tiers off and every tier.
 
     .venv/bin/python benchmarks/kv_tiers.py [--quick] [--model PATH] [--dtype bfloat16]
 
@@ -19,9 +19,9 @@ three engines on two cores with a thread per core each would spend the machine w
 
 Goals: TTFT p50 on turns >= 2 at least 3x better with every tier on than with tiers off; >= 90 % of
 the ideal hit rate with every tier on; under random placement with the shared tier, a turn computes
-<= 10 % of the prefix the tiers hold; no row slower than tiers off; after the restart, <= 10 % of the
-cached prefix computed again. Prints a table and writes
-`benchmarks/results/kv_tiers.{json,png}` (an `_avx2` suffix on an AVX2-only machine).
+<= 10 % of the prefix the tiers hold; no row slower than tiers off placed the same way (a tier never
+costs more than recomputing); after the restart, <= 10 % of the cached prefix computed again. Prints
+a table and writes `benchmarks/results/kv_tiers.{json,png}` (an `_avx2` suffix on an AVX2-only machine).
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ ROWS = {  # row -> (tiers, placement)
     "host": (("host",), "kv"),
     "host+disk": (("host", "disk"), "kv"),
     "host+disk+shared": (("host", "disk", "shared"), "kv"),
+    "off, random placement": ((), "random"),
     "shared, random placement": (("host", "disk", "shared"), "random"),
 }
+BASELINE = {"kv": "off", "random": "off, random placement"}  # recomputing everything, placed the same way
 
 
 def cluster_config(model: Path, dtype: str, tiers: tuple[str, ...], placement: str, blocks: int, tmp: Path, redis: str):
@@ -213,12 +215,13 @@ def goals(rows: dict[str, dict], restarted: dict) -> dict:
     of_ideal = full["hit_rate"] / full["ideal_hit_rate"] if full["ideal_hit_rate"] else 0.0
     held = stranger["prompt_tokens"] * stranger["ideal_hit_rate"]
     recomputed = max(0.0, stranger["computed_tokens"] - stranger["ideal_computed_tokens"]) / held if held else 0.0
-    slowest = max(r["ttft_p50_ms"] / off["ttft_p50_ms"] for r in rows.values())
+    # a tier may never make a turn slower than recomputing it where the same placement put it
+    slowest = max(r["ttft_p50_ms"] / rows[BASELINE[r["placement"]]]["ttft_p50_ms"] for r in rows.values())
     return {
         "TTFT p50 turns >= 2, off / every tier": (round(speedup, 2), ">= 3", speedup >= 3),
         "hit rate / ideal, every tier": (f"{of_ideal:.0%}", ">= 90%", of_ideal >= 0.9),
         "cached prefix recomputed, random placement + shared": (f"{recomputed:.0%}", "<= 10%", recomputed <= 0.1),
-        "slowest row's TTFT p50 / off": (round(slowest, 2), "<= 1", slowest <= 1.0),
+        "slowest row's TTFT p50 / tiers off, same placement": (round(slowest, 2), "<= 1", slowest <= 1.0),
         "cached prefix recomputed after a restart, disk tier": (
             f"{restarted['recomputed_share']:.0%}",
             "<= 10%",

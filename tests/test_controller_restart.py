@@ -16,6 +16,7 @@ import pytest
 import ray
 
 from router.sdk.client import Client
+from tests.streams import run_streams
 
 ROOT = Path(__file__).resolve().parents[1]
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -57,26 +58,7 @@ class Process:
 
 
 def streams(address: str, first: threading.Event | None = None) -> list[list[int]]:
-    """`STREAMS` streams, half greedy and half seeded: each one's tokens; `first` is set once each has
-    its first token."""
-    started = threading.Barrier(STREAMS + 1) if first is not None else None
-
-    def one(i: int) -> list[int]:
-        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}
-        tokens: list[int] = []
-        with Client(address, timeout=180, retries=0) as client:
-            for delta in client.stream(PROMPT, max_tokens=TOKENS, ignore_eos=True, **sampling):
-                if not tokens and started is not None:
-                    started.wait(60)
-                tokens += delta.token_ids
-        return tokens
-
-    with ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(one, i) for i in range(STREAMS)]
-        if started is not None and first is not None:
-            started.wait(60)
-            first.set()
-        return [f.result(240) for f in futures]
+    return run_streams([address], STREAMS, PROMPT, TOKENS, first)
 
 
 def test_a_controller_started_again_under_a_live_router_loses_nothing(ray_address, tmp_path):

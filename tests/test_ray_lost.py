@@ -28,6 +28,7 @@ from router.sdk.client import Client, Unavailable
 from tests.fake_workers import FakeFleet
 from tests.net import free_port
 from tests.redis_server import RedisServer, needs_redis
+from tests.streams import run_streams
 from tests.test_router_async import make_router
 
 pytestmark = pytest.mark.ray  # its slow tests start a Ray cluster
@@ -197,26 +198,7 @@ def _children(pid: int) -> dict[int, str]:
 
 
 def _streams(address: str, n: int, first: threading.Event | None = None, retries: int = 0) -> list[list[int]]:
-    """`n` requests at once, half greedy and half seeded, each one's tokens; `first` is set once every
-    one of them has its first token. `retries`: how often the SDK may resume one through another router."""
-    started = threading.Barrier(n + 1) if first is not None else None
-
-    def one(i: int) -> list[int]:
-        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}
-        with Client(address, timeout=120, retries=retries) as client:
-            tokens = []
-            for delta in client.stream(f"def f{i}(x):", max_tokens=STREAM_TOKENS, ignore_eos=True, **sampling):
-                if not tokens and started is not None:
-                    started.wait(60)
-                tokens += delta.token_ids
-            return tokens
-
-    with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(one, i) for i in range(n)]
-        if started is not None and first is not None:
-            started.wait(60)
-            first.set()
-        return [f.result(300) for f in futures]
+    return run_streams([address], n, "def f{i}(x):", STREAM_TOKENS, first, retries)
 
 
 class Serve:
@@ -327,9 +309,7 @@ def test_serve_whose_gcs_dies_with_ray_ha_loses_nothing_and_its_head_comes_back(
     """With ray_ha on a real Redis: the GCS killed with SIGKILL under 24 streams (greedy and seeded) is
     started again from Redis on its port; no stream is lost or changed, Ray's health is ok again, and
     then a `scale` starts a worker and a worker killed afterwards is restarted by Ray."""
-    redis = RedisServer(tmp_path, password="ray-ha-test", maxmemory="256mb", policy="noeviction").start()
-    extra = f"ray_ha:\n  redis_address: 127.0.0.1:{redis.port}\n  redis_password: ray-ha-test\n"
-    serve = Serve(tmp_path, extra, num_cpus=4)
+    redis, serve = _serve_on_redis(tmp_path)
     try:
         serve.wait_serving()
         before = serve.gcs()
@@ -349,14 +329,18 @@ def test_serve_whose_gcs_dies_with_ray_ha_loses_nothing_and_its_head_comes_back(
         addresses = _wait_for_workers(serve, 4)  # 1 prefill and 3 decode workers, each healthy
         victim = next(iter(_workers(serve)))
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while (after := _wait_for_workers(serve, 4)) == addresses:
-            assert time.monotonic() < deadline, "Ray did not restart the killed worker"
-            time.sleep(0.5)
-        assert len(set(after.values()) - set(addresses.values())) == 1, "one worker came back at a new address"
+        _wait_for_a_restart(serve, addresses)
     finally:
         serve.stop()
         redis.stop()
+
+
+def _serve_on_redis(tmp_path: Path, router: str = "") -> tuple[RedisServer, Serve]:
+    """A Redis that evicts nothing (Ray's tables), and a serve whose head keeps its GCS there;
+    `router`: more lines of the router's config."""
+    redis = RedisServer(tmp_path, password="ray-ha-test", maxmemory="256mb", policy="noeviction").start()
+    ha = f"ray_ha:\n  redis_address: 127.0.0.1:{redis.port}\n  redis_password: ray-ha-test\n"
+    return redis, Serve(tmp_path, router + ha, num_cpus=4)
 
 
 def _wait_for_workers(serve: Serve, n: int) -> dict[str, str]:
@@ -368,6 +352,15 @@ def _wait_for_workers(serve: Serve, n: int) -> dict[str, str]:
             return {w.name: w.address for w in workers}
         assert time.monotonic() < deadline, f"{n} healthy workers expected: {workers}"
         time.sleep(0.5)
+
+
+def _wait_for_a_restart(serve: Serve, addresses: dict[str, str]) -> None:
+    """Waits until Ray has restarted the one worker killed: the same names, one at a new address."""
+    deadline = time.monotonic() + 120
+    while (after := _wait_for_workers(serve, len(addresses))) == addresses:
+        assert time.monotonic() < deadline, "Ray did not restart the killed worker"
+        time.sleep(0.5)
+    assert len(set(after.values()) - set(addresses.values())) == 1, "one worker came back at a new address"
 
 
 def _workers(serve: Serve) -> dict[int, str]:
@@ -391,9 +384,7 @@ def test_while_the_head_is_down_routers_serve_resume_and_report_and_a_new_router
     the other router), the routers' and workers' /metrics still answer with Ray marked degraded, a
     `tandem router` started meanwhile says it waits for Ray's GCS, then joins once the GCS answers, and
     a worker killed meanwhile is restarted once it does."""
-    redis = RedisServer(tmp_path, password="ray-ha-test", maxmemory="256mb", policy="noeviction").start()
-    extra = f"  replicas: 2\nray_ha:\n  redis_address: 127.0.0.1:{redis.port}\n  redis_password: ray-ha-test\n"
-    serve = Serve(tmp_path, extra, num_cpus=4)
+    redis, serve = _serve_on_redis(tmp_path, "  replicas: 2\n")
     late, late_log = None, tmp_path / "late-router.log"
     try:
         serve.wait_serving()
@@ -435,11 +426,7 @@ def test_while_the_head_is_down_routers_serve_resume_and_report_and_a_new_router
         while _health(serve.address, RAY_HEALTH) != SERVING:
             assert time.monotonic() - stopped < 120, "Ray's health should be ok again"
             time.sleep(0.2)
-        deadline = time.monotonic() + 120
-        while (after := _wait_for_workers(serve, 3)) == addresses:
-            assert time.monotonic() < deadline, "Ray did not restart the worker killed while its GCS was away"
-            time.sleep(0.5)
-        assert len(set(after.values()) - set(addresses.values())) == 1, "one worker came back at a new address"
+        _wait_for_a_restart(serve, addresses)  # the worker killed while the GCS was away
     finally:
         if late is not None:
             late.kill()

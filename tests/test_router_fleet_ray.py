@@ -26,6 +26,7 @@ from cluster.pools.registry import REGISTER_EVERY_S, REPORT_TTL_S
 from router.sdk.client import Client
 from router.service.replicas import command
 from router.service.server import from_config
+from tests.streams import run_streams
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "tandem-demo-code"
@@ -143,26 +144,7 @@ def test_the_pools_read_the_routers_latency_from_their_reports(cluster, routers)
 
 
 def streams(addresses: dict[str, str], first: threading.Event | None = None) -> list[list[int]]:
-    """8 streams over both routers in turn, half greedy and half seeded: each one's tokens; `first` is
-    set once each has its first token."""
-    targets, started = list(addresses.values()), threading.Barrier(9) if first else None
-
-    def one(i: int) -> list[int]:
-        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}
-        tokens: list[int] = []
-        with Client(targets[i % 2], timeout=120, retries=0) as client:
-            for delta in client.stream(PROMPT, max_tokens=64, ignore_eos=True, **sampling):
-                if not tokens and started is not None:
-                    started.wait(60)
-                tokens += delta.token_ids
-        return tokens
-
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, i) for i in range(8)]
-        if started is not None and first is not None:
-            started.wait(60)
-            first.set()
-        return [f.result(120) for f in futures]
+    return run_streams(list(addresses.values()), 8, PROMPT, 64, first)
 
 
 def test_a_registry_started_again_under_live_routers_loses_nothing_and_is_refilled(cluster, routers):
