@@ -21,7 +21,8 @@ Goals: TTFT p50 on turns >= 2 at least 3x better with every tier on than with ti
 the ideal hit rate with every tier on; under random placement with the shared tier, a turn computes
 <= 10 % of the prefix the tiers hold; no row slower than tiers off placed the same way (a tier never
 costs more than recomputing); after the restart, <= 10 % of the cached prefix computed again. Prints
-a table and writes `benchmarks/results/kv_tiers.{json,png}` (an `_avx2` suffix on an AVX2-only machine).
+a table and writes `benchmarks/results/kv_tiers.{json,png}` (`kv_tiers_quick` with `--quick`; an `_avx2`
+suffix on an AVX2-only machine).
 """
 
 from __future__ import annotations
@@ -302,7 +303,8 @@ def main() -> None:
     print("\ngoals")
     for name, (value, goal, met) in results["goals"].items():
         print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
-    suffix = "" if "AVX-512" in kind else "_avx2"  # each kind of CPU its own
+    # each kind of CPU its own files, and --quick its own: it never overwrites the full workload's
+    suffix = ("_quick" if args.quick else "") + ("" if "AVX-512" in kind else "_avx2")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"kv_tiers{suffix}.json").write_text(json.dumps(results, indent=2))
     plot(rows, OUT / f"kv_tiers{suffix}.png")
