@@ -538,6 +538,16 @@ class ClusterConfig(_Part):
     ray_ha: RayHAConfig = Field(default_factory=RayHAConfig, description="Fault tolerance of Ray's GCS (the Ray head).")
 
     @model_validator(mode="after")
+    def _redis_is_for_a_local_head(self) -> ClusterConfig:
+        if self.ray_ha.redis_address is not None and self.ray_address is not None:
+            raise ValueError(
+                "ray_ha.redis_address is for the local Ray that `tandem serve` starts; the Ray at ray_address "
+                "keeps its GCS where its head says (KubeRay's gcsFaultToleranceOptions): set "
+                "ray_ha.fault_tolerant instead"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sealed_tiers_have_a_secret(self) -> ClusterConfig:
         tiers = self.cache.tiers
         if (tiers.disk or tiers.shared) and self.auth.cluster_secret is None:

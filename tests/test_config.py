@@ -63,6 +63,11 @@ def test_defaults_and_freezing():
         ({"model": {"path": "m"}, "auth": {"tls_cert": "c.pem"}}, "auth: Value error, tls_cert and tls_key"),
         ({"model": {"path": "m"}, "router": {"port": 70000}}, "router.port"),
         ({"model": {"path": "m", "compile_buckets": [1, 0]}}, "model: Value error, compile_buckets must be positive"),
+        ({"model": {"path": "m"}, "ray_ha": {"redis_address": "redis"}}, 'redis_address is "host:port"'),
+        (
+            {"model": {"path": "m"}, "ray_address": "auto", "ray_ha": {"redis_address": "10.0.0.9:6379"}},
+            "ray_ha.redis_address is for the local Ray that `tandem serve` starts",
+        ),
     ],
 )
 def test_bad_field_is_named(data, named):

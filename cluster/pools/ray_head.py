@@ -75,7 +75,6 @@ class GcsKeeper:
             for arg in gcs.process.args
         ]
         self.interval_s = interval_s
-        self.restarts = 0
         self._stopped = threading.Event()
 
     def check(self) -> bool:
@@ -92,7 +91,6 @@ class GcsKeeper:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         processes[ray_constants.PROCESS_TYPE_GCS_SERVER] = [gcs._replace(process=process)]  # Ray's shutdown kills it
-        self.restarts += 1
         return True
 
     def start(self) -> GcsKeeper:
