@@ -129,18 +129,23 @@ def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_
 
 
 def queueing(cluster: Cluster) -> dict[str, float]:
-    """Where a turn's first token waited, every turn's mean: in the router before it was placed, and in
-    the prefill worker's queue before its prefill began (requests prefilled there only)."""
+    """Where a turn's first token waited, every turn's mean: in the router before it was placed; in
+    the prefill worker's queue before its prefill began (requests prefilled there only); and, of the
+    turns prefilled on their decode worker, for their tiers' load, in its queue, and in its passes."""
 
-    def mean_ms(registry, stage: str) -> float:  # type: ignore[no-untyped-def]
-        total = registry.get_sample_value("tandem_queue_seconds_sum", {"stage": stage}) or 0.0
-        count = registry.get_sample_value("tandem_queue_seconds_count", {"stage": stage}) or 0.0
+    def mean_ms(processes: list, metric: str, labels: dict[str, str] | None = None) -> float:  # type: ignore[type-arg]
+        registries = [p.telemetry.metrics.registry for p in processes]
+        total = sum(r.get_sample_value(f"{metric}_sum", labels or {}) or 0.0 for r in registries)
+        count = sum(r.get_sample_value(f"{metric}_count", labels or {}) or 0.0 for r in registries)
         return total / count * 1e3 if count else 0.0
 
-    prefill = cluster.workers["prefill-0"].telemetry.metrics.registry
+    decode = [w for name, w in cluster.workers.items() if name.startswith("decode")]
     return {
-        "router_queue_mean_ms": mean_ms(cluster.router.telemetry.metrics.registry, "router"),
-        "prefill_queue_mean_ms": mean_ms(prefill, "prefill"),
+        "router_queue_mean_ms": mean_ms([cluster.router], "tandem_queue_seconds", {"stage": "router"}),
+        "prefill_queue_mean_ms": mean_ms([cluster.workers["prefill-0"]], "tandem_queue_seconds", {"stage": "prefill"}),
+        "tier_wait_mean_ms": mean_ms(decode, "tandem_kv_tier_wait_seconds"),
+        "decode_queue_mean_ms": mean_ms(decode, "tandem_queue_seconds", {"stage": "decode"}),
+        "local_prefill_mean_ms": mean_ms(decode, "tandem_local_prefill_seconds"),
     }
 
 
@@ -242,6 +247,11 @@ def print_table(rows: dict[str, dict]) -> None:
     for r in rows.values():
         print(f"{r['row']:<40}{r['ttft_mean_ms']:>9.1f}{r['router_queue_mean_ms']:>14.1f}"
               f"{r['prefill_queue_mean_ms']:>15.1f}{r['remote_prefills']:>16.0%}")  # fmt: skip
+    heads = f"{'tier load':>11}{'decode queue':>14}{'prefill passes':>16}"
+    print(f"\n{'turns prefilled on their decode worker (means, ms)':<52}{heads}")
+    for r in rows.values():
+        print(f"{r['row']:<52}{r['tier_wait_mean_ms']:>11.1f}{r['decode_queue_mean_ms']:>14.1f}"
+              f"{r['local_prefill_mean_ms']:>16.1f}")  # fmt: skip
 
 
 def cost_of(row: dict, tier: str) -> str:

@@ -23,7 +23,8 @@ and a 512-token prompt) and then Tandem in a process of its own (the decode step
 512-token context, eager and compiled, and a 512-token prompt's pass) take turns. Rows give tokens
 per second (medians over rounds), the ratio Tandem / llama.cpp, and Tandem's decode bytes per second
 against the memory floor measured beside it. Prints the CPU, the kernel path, a table; writes
-`benchmarks/results/vs_llama_cpp.{json,png}` (`vs_llama_cpp_avx2.*` on a CPU without AVX-512).
+`benchmarks/results/vs_llama_cpp.{json,png}` (`vs_llama_cpp_avx2.*` on a CPU without AVX-512,
+`vs_llama_cpp_amx.*` on one with AMX).
 """
 
 from __future__ import annotations
@@ -118,10 +119,16 @@ def llama_bench(tools: Path, model: Path, threads: int) -> dict[str, float]:
         "decode": ["-p", "0", "-n", str(GENERATED), "-d", str(CONTEXT)],
         "prefill": ["-p", str(CONTEXT), "-n", "0"],
     }
-    result = {}
+    result: dict[str, float] = {}
     for what, shape in runs.items():
         command = [str(tools / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "3", "-o", "json", *shape]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode < 0:  # killed by a signal: on an AMX Xeon its Q8_0 repacking crashes on any prompt
+            print(f"llama-bench {model.name} {what} died of signal {-done.returncode}; again without repacking")
+            result[f"{what}_without_repacking"] = 1.0
+            done = subprocess.run([*command, "--repack", "0"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"llama-bench failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}")
         result[what] = json.loads(done.stdout)[0]["avg_ts"]
     return result
 
@@ -210,7 +217,7 @@ def main() -> None:
     parser.add_argument("--weights", default="bfloat16", help=argparse.SUPPRESS)
     parser.add_argument("--activations", default=None, help="Tandem's dtype (default: model.dtype auto's)")
     args = parser.parse_args()
-    from cluster.cpu import auto_dtype, cpu_kind
+    from cluster.cpu import auto_dtype, cpu_kind, results_suffix
 
     activations = args.activations or auto_dtype("cpu")[0]
     if args.one is not None:
@@ -249,13 +256,23 @@ def main() -> None:
             f"{r['llama_decode']:>14.1f}{r['decode_ratio']:>7.2f}x{r['roofline']:>10.0%}"
             f"{r['tandem_prefill']:>14.0f}{r['llama_prefill']:>17.0f}{r['prefill_ratio']:>7.2f}x"
         )
+    say_unrepacked(records)
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "activations": activations}
+    cpu = cpu_kind() + (", AMX" if results_suffix() == "_amx" else "")
+    meta = {"cpu": cpu, "threads": args.threads, "kernels": kernels, "activations": activations}
     meta["llama_cpp_python"] = LLAMA_CPP_PYTHON
-    stem = OUT / ("vs_llama_cpp" if "AVX-512" in cpu_kind() else "vs_llama_cpp_avx2")  # each kind of CPU its own
+    stem = OUT / ("vs_llama_cpp" + results_suffix())  # each kind of CPU its own
     stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": records}, indent=1))
     plot(records, stem.with_suffix(".png"), meta)
     print(f"\nwrote {stem}.json and .png")
+
+
+def say_unrepacked(records: list[dict]) -> None:
+    """Which of llama.cpp's runs went without its weights' repacking, because they crashed with it."""
+    for r in records:
+        crashed = sorted({k for _, theirs in r["rounds"] for k in theirs if k.endswith("_without_repacking")})
+        if crashed:
+            print(f"{r['setting']}: llama.cpp ran {', '.join(crashed)} (its repacked weights crashed)")
 
 
 def record(name: str, runs: list[tuple[dict, dict]]) -> dict:

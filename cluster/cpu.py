@@ -2,6 +2,7 @@
 
     cpu_flags()         the CPU's feature flags (empty where they cannot be read)
     cpu_kind()          the kind every figure names: "AVX-512 with VNNI and BF16", "AVX2", ...
+    results_suffix()    a benchmark's file suffix for this kind: "" (AVX-512), "_amx", "_avx2"
     auto_dtype(device)  the element type `model.dtype: auto` becomes here, and why
 
 bfloat16 pays on a CPU that multiplies it natively (AVX512-BF16 pair products, or AMX tiles): half
@@ -32,6 +33,13 @@ def cpu_kind() -> str:
     if "avx512f" in flags:
         return "AVX-512"
     return "AVX2" if "avx2" in flags else "neither AVX2 nor AVX-512"
+
+
+def results_suffix() -> str:
+    """Each kind of CPU keeps its own benchmark files; AMX (Intel Xeon) apart from AVX-512 alone."""
+    if "AVX-512" not in cpu_kind():
+        return "_avx2"
+    return "_amx" if "amx_bf16" in cpu_flags() else ""
 
 
 def auto_dtype(device: str) -> tuple[str, str]:

@@ -84,7 +84,15 @@ class Metrics:
         self.tpot = self._histogram("tandem_tpot_seconds", "Time per output token after the first, per request.")
         self.itl = self._histogram("tandem_itl_seconds", "Gaps between successive token messages.")
         self.e2e = self._histogram("tandem_e2e_seconds", "Request latency, sent to last token.")
-        self.queue = self._histogram("tandem_queue_seconds", "Time before a request reaches a worker.", ["stage"])
+        self.queue = self._histogram(
+            "tandem_queue_seconds", "Time a request waits before a worker starts on it, by stage.", ["stage"]
+        )
+        self.tier_wait = self._histogram(
+            "tandem_kv_tier_wait_seconds", "Time a prompt waited for its blocks to load from the KV tiers."
+        )
+        self.local_prefill = self._histogram(
+            "tandem_local_prefill_seconds", "A prompt's prefill on its decode worker: first pass to first token."
+        )
         self.kv_transfer = self._histogram(
             "tandem_kv_transfer_seconds", "KV transfer, header to admission.", ["transport"]
         )

@@ -194,7 +194,9 @@ class ThreadCore(CoreHandle):
                 continue
             self.steps += 1
             outputs = self._with_text(outputs)
-            on_frame(Frame(outputs, engine.occupancy, None, engine.has_unfinished, steps=self.steps))
+            frame = Frame(outputs, engine.occupancy, None, engine.has_unfinished, steps=self.steps)
+            frame.first_tokens = engine.take_first_tokens()
+            on_frame(frame)
         engine.close()
 
 

@@ -40,7 +40,7 @@ from cluster.engine.changes import Changes, Occupancy
 from cluster.engine.compiled import CompiledDecode
 from cluster.engine.detokenizer import Decoder
 from cluster.engine.model_runner import ModelRunner, StepOutput, num_kv_blocks
-from cluster.engine.request import Request, SamplingParams, StepPlan, UnknownAdapter, adapters_fit
+from cluster.engine.request import FirstToken, Request, SamplingParams, StepPlan, UnknownAdapter, adapters_fit
 from cluster.engine.sampler import Sampler, TokenLogprob
 from cluster.engine.speculative import Proposer, Speculator
 from cluster.engine.structured import Grammars
@@ -96,6 +96,7 @@ class Engine:
         self.lock = threading.Lock()
         self._reserved: dict[str, Request] = {}  # requests holding blocks for a KV transfer in flight, by id
         self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
+        self.first_tokens: list[FirstToken] = []  # where prompts prefilled here waited, since the last take
         self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
         self.speculator = (
@@ -207,6 +208,7 @@ class Engine:
         Raises ValueError (nothing queued) if it can never run here."""
         tokens = [*prompt_token_ids, *output_token_ids]
         request = _request(request_id, tokens, params, len(output_token_ids))
+        request.queued_at = time.monotonic()
         self._constrain(request)
         with self.lock:
             resolve(self.adapters, request)
@@ -324,11 +326,19 @@ class Engine:
         outputs = []
         for request in self.scheduler.update(self.beams.unsampled(plan), output.token_ids):
             new = request.output_token_ids[before[request.request_id] :]
+            if not request.first_token_at and request.started_at:  # its prompt was prefilled here
+                request.first_token_at = time.monotonic()
+                self.first_tokens.append(FirstToken.of(request))
             outputs.append(self._output(request, new, output.logprobs.get(request.request_id)))
         outputs += [self._beam_output(result) for result in self.beams.advance(output.logits)]
         if self.speculator is not None:
             self.speculator.retain(self.scheduler.requests)  # finished requests' draft state goes now
         return outputs
+
+    def take_first_tokens(self) -> list[FirstToken]:
+        """Where each prompt prefilled here since the last call waited for its first token."""
+        taken, self.first_tokens = self.first_tokens, []
+        return taken
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         request = result.request

@@ -25,6 +25,7 @@ from cluster.config import ClusterConfig
 from cluster.engine.changes import Occupancy
 from cluster.engine.core_process import IDLE_WAKE_S, CoreLoop
 from cluster.engine.kv_events import KVBatch
+from cluster.engine.request import FirstToken
 from cluster.model.arch import ModelArch
 from decode_worker.engine import Engine
 from decode_worker.text import RequestOutput, pack_outputs, unpack_outputs
@@ -45,6 +46,7 @@ class Frame:
     failed: str | None = None
     steps: int = 0  # the engine's steps so far
     taken: int = -1  # the last command the core applied (its call id; commands come in id order)
+    first_tokens: list[FirstToken] = field(default_factory=list)  # where this step's first tokens waited
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled with its outputs as columns (`pack_outputs`): a frame of a few hundred outputs
@@ -144,7 +146,10 @@ class EngineLoop(CoreLoop):
         batch = engine.kv_journal.since(self.cursor)
         if batch is not None:
             self.cursor = batch.last
-        self.outbox.send(Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps, self.taken))
+        waits = engine.take_first_tokens()
+        self.outbox.send(
+            Frame(outputs, engine.occupancy, batch, engine.has_unfinished, failed, self.steps, self.taken, waits)
+        )
 
     def _before_answer(self) -> None:
         if self.engine.changes.version != self.sent:

@@ -21,6 +21,7 @@ blocks are freed and it goes back to the front of the queue to be recomputed. No
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -156,6 +157,7 @@ class Scheduler:
                 request.num_cached_tokens = cached
             request.num_computed_tokens = cached
             request.status = Status.RUNNING
+            request.started_at = request.started_at or time.monotonic()
             self.waiting.popleft()
             self.running.append(request)
             n = min(request.num_tokens - cached, budget, chunk_limit)

@@ -320,6 +320,12 @@ class DecodeWorker(WorkerShell[Core]):
                 link.put(outs)  # one hand over per step stream
         for placed, out in finished:
             self._observe(placed.parent, out.request_id, placed.remote, placed.submitted, placed.first_at, out)
+        m = self.telemetry.metrics
+        for waited in frame.first_tokens:
+            if waited.tier_load_s:
+                m.tier_wait.observe(waited.tier_load_s)
+            m.queue.labels("decode").observe(waited.queue_s)
+            m.local_prefill.observe(waited.prefill_s)
 
     def _took(
         self, rid: str, placed: OnLink, outputs: list[RequestOutput], handed: Handed | None = None

@@ -348,6 +348,9 @@ class Refusing:
     def refuse(self) -> None:
         raise ValueError("refused")
 
+    def take_first_tokens(self) -> list:  # type: ignore[type-arg]
+        return []
+
 
 def test_a_refused_submit_is_answered_before_any_frame_counts_it_taken():
     """A submit is answered only if it fails, and the front counts a call taken once a frame's `taken`

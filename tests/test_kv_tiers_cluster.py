@@ -67,6 +67,12 @@ class Cluster:
             total += worker.telemetry.metrics.registry.get_sample_value(name, {"tier": tier}) or 0.0
         return total
 
+    def waited(self, name: str) -> float:
+        """How many first tokens a histogram of the decode workers' counted."""
+        labels = {"stage": "decode"} if name == "tandem_queue_seconds" else {}
+        decode = [w for n, w in self.workers.items() if n.startswith("decode")]
+        return sum(w.telemetry.metrics.registry.get_sample_value(f"{name}_count", labels) or 0.0 for w in decode)
+
     def stop(self) -> None:
         self.router.stop()
         for worker in self.workers.values():
@@ -139,6 +145,9 @@ def test_a_worker_that_never_saw_a_prompt_loads_its_prefix_from_the_shared_tier(
             done = client.generate(turn, max_tokens=8, temperature=0.0, ignore_eos=True)
         assert done.token_ids == generate(model, [turn], 8)[0].tokens
         assert done.cached_prompt_tokens >= 144, "the stranger computed more than 10 % of the shared prefix"
+        # its decode worker prefilled it: the wait for Redis's load, its queue and its passes are counted
+        assert stranger.waited("tandem_kv_tier_wait_seconds") == 1
+        assert stranger.waited("tandem_queue_seconds") == stranger.waited("tandem_local_prefill_seconds") == 1
     finally:
         stranger.stop()
 

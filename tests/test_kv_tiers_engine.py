@@ -64,6 +64,22 @@ def test_an_evicted_turn_loads_from_the_host_tier_and_equals_a_fresh_prefill(mod
     tiered.scheduler.blocks.check_integrity()
 
 
+def test_each_prompt_prefilled_says_where_its_first_token_waited(model):
+    tiered = engine(model, TiersConfig(host=HostTierConfig(gib=0.01)))
+    history = prompt(1)
+    first, _ = one(tiered, history)
+    (computed,) = tiered.take_first_tokens()
+    assert computed.tier_load_s == 0 and computed.queue_s >= 0 and computed.prefill_s > 0
+    for seed in (2, 3, 4):  # turn 1's blocks leave the pool for the host tier
+        one(tiered, prompt(seed))
+    assert len(tiered.take_first_tokens()) == 3 and tiered.tiering is not None and tiered.tiering.tiers.flush()
+    one(tiered, [*history, *first, 9, 8, 7])
+    (loaded,) = tiered.take_first_tokens()
+    assert loaded.tier_load_s > 0, "its wait for the host tier's load was not counted"
+    assert loaded.queue_s >= 0 and loaded.prefill_s > 0
+    assert tiered.take_first_tokens() == []
+
+
 def test_a_restarted_engine_serves_its_next_turn_from_disk(model, tmp_path):
     tiers = TiersConfig(disk=DiskTierConfig(path=tmp_path / "kv", gib=0.01), write="computed")
     history = prompt(5)

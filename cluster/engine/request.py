@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tandem.v1 import api_pb2
 
@@ -252,6 +252,12 @@ class Request:
     loaded: Loaded | None = None  # KV of its prompt's blocks read from the tiers, used at admission
     loaded_from: tuple[str, ...] = ()  # the tier of each prompt block it took from them
     adapter: bytes = b""  # its adapter's digest, which the engine resolves from `params.adapter`
+    # Where its first token waited on the worker that prefills it (`time.monotonic()`, 0.0 = not yet):
+    # queued there, its tiers' load over (it waited parked for them), first scheduled, first token.
+    queued_at: float = 0.0
+    loaded_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
 
     @property
     def scope(self) -> Scope:
@@ -299,6 +305,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+class FirstToken(NamedTuple):
+    """Where a prompt prefilled on this worker spent the time to its first token, in seconds: waiting
+    for its blocks to load from the KV tiers, then in the queue, then from its first pass to its first
+    token (its chunks, beside the running batch)."""
+
+    tier_load_s: float
+    queue_s: float
+    prefill_s: float
+
+    @classmethod
+    def of(cls, request: Request) -> FirstToken:
+        loaded = request.loaded_at or request.queued_at
+        started = max(request.started_at, loaded)
+        return cls(loaded - request.queued_at, started - loaded, request.first_token_at - started)
 
 
 class UnknownAdapter(LookupError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -153,6 +154,7 @@ class Tiering:
             if not load.done():
                 continue
             del self._parked[request_id]
+            request.loaded_at = time.monotonic()
             run = None if load.cancelled() or load.exception() is not None else load.result()
             if run is not None and run.payloads:
                 request.loaded = Loaded(first, run.payloads, tuple(run.sources))
