@@ -271,7 +271,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
 
 
 def main() -> None:
-    from cluster.cpu import cpu_kind  # the kind of CPU each figure comes from
+    from cluster.cpu import cpu_kind, results_suffix  # the kind of CPU each figure comes from
     from tests.redis_server import RedisServer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,7 +314,7 @@ def main() -> None:
     for name, (value, goal, met) in results["goals"].items():
         print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
     # each kind of CPU its own files, and --quick its own: it never overwrites the full workload's
-    suffix = ("_quick" if args.quick else "") + ("" if "AVX-512" in kind else "_avx2")
+    suffix = ("_quick" if args.quick else "") + results_suffix()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"kv_tiers{suffix}.json").write_text(json.dumps(results, indent=2))
     plot(rows, OUT / f"kv_tiers{suffix}.png")

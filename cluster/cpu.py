@@ -29,7 +29,7 @@ def cpu_flags() -> frozenset[str]:
 def cpu_kind() -> str:
     flags = cpu_flags()
     if {"avx512f", "avx512_vnni", "avx512_bf16"} <= flags:
-        return "AVX-512 with VNNI and BF16"
+        return "AVX-512 with VNNI, BF16 and AMX" if "amx_bf16" in flags else "AVX-512 with VNNI and BF16"
     if "avx512f" in flags:
         return "AVX-512"
     return "AVX2" if "avx2" in flags else "neither AVX2 nor AVX-512"
@@ -39,7 +39,7 @@ def results_suffix() -> str:
     """Each kind of CPU keeps its own benchmark files; AMX (Intel Xeon) apart from AVX-512 alone."""
     if "AVX-512" not in cpu_kind():
         return "_avx2"
-    return "_amx" if "amx_bf16" in cpu_flags() else ""
+    return "_amx" if "AMX" in cpu_kind() else ""
 
 
 def auto_dtype(device: str) -> tuple[str, str]:

@@ -146,3 +146,18 @@ def test_this_machines_flags_name_its_kind():
     flags = cpu_flags()
     assert flags, "/proc/cpuinfo lists the CPU's flags"
     assert ("AVX-512" in cpu_kind()) == ("avx512f" in flags) and ("avx2" in flags or "neither" in cpu_kind())
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind", "suffix"),
+    [
+        ({"avx2"}, "AVX2", "_avx2"),
+        ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, "AVX-512 with VNNI and BF16", ""),
+        ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "AVX-512 with VNNI, BF16 and AMX", "_amx"),
+    ],
+)
+def test_each_kind_of_cpu_names_its_benchmark_files(monkeypatch, flags, kind, suffix):
+    from cluster import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    assert (cpu.cpu_kind(), cpu.results_suffix()) == (kind, suffix)
