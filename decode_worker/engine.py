@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from cluster.config import CacheConfig, LoraConfig, SchedulerConfig
@@ -96,7 +97,7 @@ class Engine:
         self.lock = threading.Lock()
         self._reserved: dict[str, Request] = {}  # requests holding blocks for a KV transfer in flight, by id
         self._pending: list[RequestOutput] = []  # first tokens of admitted transfers, out with the next step
-        self.first_tokens: list[FirstToken] = []  # where prompts prefilled here waited, since the last take
+        self.first_tokens: deque[FirstToken] = deque(maxlen=4096)  # where prompts prefilled here waited, untaken
         self.beams = BeamGroups(self.scheduler, eos_token_ids)
         self.proposer = proposer
         self.speculator = (
@@ -336,8 +337,9 @@ class Engine:
         return outputs
 
     def take_first_tokens(self) -> list[FirstToken]:
-        """Where each prompt prefilled here since the last call waited for its first token."""
-        taken, self.first_tokens = self.first_tokens, []
+        """Where each prompt prefilled here since the last call waited for its first token (the latest 4,096)."""
+        taken = list(self.first_tokens)
+        self.first_tokens.clear()
         return taken
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
