@@ -100,6 +100,14 @@ def wait_for(condition, timeout_s: float, what: str):  # type: ignore[no-untyped
 PROMPT = list(range(40, 90))  # long enough to be prefilled on the prefill worker
 
 
+def pid_of(actor) -> int | None:  # type: ignore[no-untyped-def]
+    """The actor's process id; None while Ray is still starting it again."""
+    try:
+        return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    except ray.exceptions.ActorUnavailableError:
+        return None
+
+
 def test_both_routers_serve_the_one_cluster_and_either_shows_both(routers):
     addresses, _ = routers
     answers = []
@@ -111,7 +119,8 @@ def test_both_routers_serve_the_one_cluster_and_either_shows_both(routers):
     streams = []
     for address in addresses.values():  # one long request in flight on each router
         client = Client(address, timeout=120)
-        stream = client.stream(PROMPT, max_tokens=300, temperature=0, ignore_eos=True)
+        # in flight until closed below: on a fast CPU, 300 tokens ended before both routers had reported
+        stream = client.stream(PROMPT, max_tokens=900, temperature=0, ignore_eos=True)
         next(stream)
         streams.append((client, stream))
     try:
@@ -161,7 +170,7 @@ def test_a_registry_started_again_under_live_routers_loses_nothing_and_is_refill
         assert first.wait(60), "the streams never got going"
         ray.kill(registry, no_restart=False)
         assert under_loss.result(180) == fault_free, "a stream changed while the registry was away"
-    assert ray.get(registry.__ray_call__.remote(lambda self: os.getpid()), timeout=60) != pid, "a new process"
+    assert wait_for(lambda: pid_of(registry), 60, "the registry started again") != pid, "a new process"
     wait_for(lambda: ray.get(registry.workers.remote()) == workers, 2 * REGISTER_EVERY_S + 5, "every worker back")
     for address in addresses.values():
         wait_for(lambda a=address: {r.name for r in status(a).routers} == set(addresses), 10, "both routers back")
