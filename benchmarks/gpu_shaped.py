@@ -287,7 +287,7 @@ def main() -> None:
     import functools
     import os
 
-    from cluster.cpu import cpu_kind
+    from cluster.cpu import cpu_kind, results_suffix
     from decode_worker import service as decode_service
     from decode_worker.core import ProcessCore
 
@@ -314,7 +314,7 @@ def main() -> None:
            "tokens": args.tokens, "pinned": {"engine core": cpus[:1], "the rest": cpus[1:]} if pinned else None,
            "rows": rows}  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / ("gpu_shaped" if "AVX-512" in out["cpu"] else "gpu_shaped_avx2")  # each kind of CPU its own
+    stem = RESULTS / ("gpu_shaped" + results_suffix())  # each kind of CPU its own
     stem.with_suffix(".json").write_text(json.dumps(out, indent=2))
     plot(out, stem.with_suffix(".png"))
     print(f"\n{out['cpu']}, {out['cores']} cores; wrote {stem}.json and .png")

@@ -151,7 +151,7 @@ def plot(results: dict, path: Path) -> None:  # type: ignore[type-arg]
 
 
 def main() -> None:
-    from cluster.cpu import cpu_kind
+    from cluster.cpu import cpu_kind, results_suffix
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the demo model")
@@ -185,7 +185,7 @@ def main() -> None:
     print("\ngoals")
     for name, (value, goal, met) in results["goals"].items():
         print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
-    suffix = "" if "AVX-512" in kind else "_avx2"
+    suffix = results_suffix()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"lora{suffix}.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / f"lora{suffix}.png")

@@ -131,10 +131,10 @@ def taskset_only(step_s: float) -> None:
         print(f"  {line}")
     print(f"  goal: 1,000 req/s with p99 overhead <= 2 ms: {value} {'met' if met else 'MISSED'}")
     OUT.mkdir(parents=True, exist_ok=True)
-    from cluster.cpu import cpu_kind
+    from cluster.cpu import cpu_kind, results_suffix
 
     results["cpu"] = cpu_kind()
-    stem = OUT / ("router_scale_taskset" if "AVX-512" in results["cpu"] else "router_scale_taskset_avx2")
+    stem = OUT / ("router_scale_taskset" + results_suffix())
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot_rates(results, stem.with_suffix(".png"))
     print(f"\n{results['cpu']}; wrote {stem}.json and .png")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from router_scale_cluster import bench_requests, cluster_config, drive, engine_alone  # noqa: E402
 
-from cluster.cpu import cpu_kind  # noqa: E402
+from cluster.cpu import cpu_kind, results_suffix  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 CLK = os.sysconf("SC_CLK_TCK")
@@ -146,7 +146,7 @@ def main() -> None:
     results["goals"] = goals(results)
     report(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name += "" if "AVX-512" in results["cpu"] else "_avx2"  # each kind of CPU its own
+    name += results_suffix()  # each kind of CPU its own
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
     plot(results, RESULTS / f"{name}.png")
     print(f"wrote {RESULTS / name}.json and .png")
