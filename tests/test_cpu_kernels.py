@@ -150,10 +150,10 @@ def _prefill_case(
     return q, k_cache, v_cache, build_attention_metadata(chunks, BLOCK, frozenset({None, 6, 40}))
 
 
-def _prefill(q, k_cache, v_cache, meta, window, scale=0.2):  # type: ignore[no-untyped-def]
+def _prefill(q, k_cache, v_cache, meta, window, scale=0.2, torch_flash=False):  # type: ignore[no-untyped-def]
     (g,) = meta.groups
     got = torch.ops.tandem_cpu.prefill_attention(
-        q, k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, scale, window
+        q, k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, scale, window, torch_flash
     )
     expected = _attend_padded(q.float(), k_cache.float() if k_cache.dtype != torch.uint8 else
                               dequantize_rows(k_cache, torch.float32), v_cache.float() if v_cache.dtype != torch.uint8
@@ -169,10 +169,12 @@ LATER_CHUNKS = [SeqChunk([4, 9, 1], 13, 8), SeqChunk([7], 0, 5), SeqChunk([2, 12
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunks", [WHOLE_PROMPTS, LATER_CHUNKS], ids=["whole prompts", "later chunks"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_prefill_attention_equals_padded_sdpa(dtype, chunks, window):
+@pytest.mark.parametrize("torch_flash", [False, True], ids=["ours", "torch flash"])
+def test_prefill_attention_equals_padded_sdpa(dtype, chunks, window, torch_flash):
     """Prompts of different lengths (the padded path pads them to the longest), chunks that start
-    after cached positions, with and without a sliding window, grouped query heads."""
-    got, expected = _prefill(*_prefill_case(dtype, chunks), window)
+    after cached positions, with and without a sliding window, grouped query heads; bfloat16 through
+    this CPU's kernel and through torch's flash attention (what a CPU with AMX tiles takes)."""
+    got, expected = _prefill(*_prefill_case(dtype, chunks), window, torch_flash=torch_flash)
     assert got.dtype == dtype and got.shape == expected.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
@@ -186,16 +188,28 @@ LONG_CHUNKS = [SeqChunk(list(range(40, 0, -1)), 70, 250), SeqChunk(list(range(41
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("window", [None, 40])
-def test_prefill_attention_long_chunks(dtype, heads, kv_heads, dim, window):
+@pytest.mark.parametrize("torch_flash", [False, True], ids=["ours", "torch flash"])
+def test_prefill_attention_long_chunks(dtype, heads, kv_heads, dim, window, torch_flash):
     """The flash kernels' blocks of queries and keys (bfloat16 through AVX512-BF16 pair products
     where the CPU has them and no window is set, every float dtype through float32 vectors), several
     query heads per KV head or one, head dims of one and two strips, a sliding window longer than a
-    key block (whole blocks before it are skipped), against float32 attention on the same inputs."""
+    key block (whole blocks before it are skipped), against float32 attention on the same inputs;
+    bfloat16 with `torch_flash` through torch's flash attention."""
+    if torch_flash and dtype != torch.bfloat16:
+        pytest.skip("torch_flash changes the path of bfloat16 only")
     q, k_cache, v_cache, meta = _prefill_case(dtype, LONG_CHUNKS, heads, kv_heads, dim, blocks=50)
-    got, expected = _prefill(q, k_cache, v_cache, meta, window)
+    got, expected = _prefill(q, k_cache, v_cache, meta, window, torch_flash=torch_flash)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert (got.float() - expected).abs().mean() < tol / 10  # rounding, not a wrong weight here and there
+
+
+@pytest.mark.parametrize(("flags", "torch_flash"), [({"avx512_bf16"}, False), ({"avx512_bf16", "amx_bf16"}, True)])
+def test_prompt_chunks_take_torch_flash_attention_where_the_cpu_has_amx_tiles(monkeypatch, flags, torch_flash):
+    import cluster.cpu
+
+    monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda: frozenset(flags))
+    assert cpu_kernels.torch_flash.__wrapped__() is torch_flash
 
 
 def test_prefill_attention_reads_int8_rows_with_their_scales():

@@ -250,7 +250,7 @@ def _attend(
         if g.max_new == 1:
             return torch.ops.tandem_cpu.decode_attention(q, k_cache, v_cache, g.block_tables, g.masks[window], scale)
         return torch.ops.tandem_cpu.prefill_attention(
-            q, k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, scale, window
+            q, k_cache, v_cache, g.block_tables, g.num_new, g.num_cached, scale, window, cpu_kernels.torch_flash()
         )
     if g.max_new == 1 and torch.compiler.is_compiling():
         # Compiled decode: attention as plain reductions that the compiler fuses with the
