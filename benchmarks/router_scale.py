@@ -30,8 +30,13 @@
 Every process shares this machine's cores (the fleet, each router and this load generator): on a
 2-core box the load generator and the fleet take CPU the router would otherwise have, so rates are
 floors for the router, and the breakdown says which process was busy. Prints a table and writes
-`benchmarks/results/router_scale.{json,png}` (`--taskset`: `router_scale_taskset.*`, `_avx2.*` on a CPU
-without AVX-512).
+`benchmarks/results/router_scale.{json,png}` (`--taskset`: `router_scale_taskset.*`, suffixed by
+`cluster.cpu.results_suffix()`: `_avx2` on a CPU without AVX-512, `_amx` with AMX).
+
+`--taskset` also runs grpc.aio's own floors on the router's core at the same rates, with no Tandem code:
+a bare `Generate` writing the same 16 messages (the public side alone), and a bare relay that sends each
+request to a fake worker as one command on its step stream and writes each entry to the client (the
+router's whole path without validation, placement, telemetry or text).
 """
 
 from __future__ import annotations
@@ -49,7 +54,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # Sections 1 to 3 are router_scale_alone.py, section 4 router_scale_cluster.py, the tables, breakdown,
 # goals and figures router_scale_report.py.
-from router_scale_alone import placement_cost, rate_rows, relay_rows, serve_router  # noqa: E402
+from router_scale_alone import (  # noqa: E402
+    floor_rows,
+    placement_cost,
+    rate_rows,
+    relay_rows,
+    serve_floor,
+    serve_relay,
+    serve_router,
+    start_fleet,
+    stop,
+)
 from router_scale_cluster import cluster_rows  # noqa: E402
 from router_scale_report import (  # noqa: E402
     breakdown,
@@ -60,6 +75,7 @@ from router_scale_report import (  # noqa: E402
     plot_cluster,
     plot_rates,
     print_cluster,
+    print_floor,
     print_rates,
     print_table,
 )
@@ -80,9 +96,15 @@ def main() -> None:
         "another (router_scale_taskset.json)",
     )  # fmt: skip
     parser.add_argument("--serve-router", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_router:
         return serve_router(args.serve_router)
+    if args.serve_floor:
+        return serve_floor(args.serve_floor)
+    if args.serve_relay:
+        return serve_relay(args.serve_relay)
     if args.table:
         return print_table(json.loads((OUT / "router_scale.json").read_text()))
     if args.cluster_only:
@@ -118,10 +140,18 @@ def taskset_only(step_s: float) -> None:
     router_core, other = cores[0], cores[1]
     router_scale_alone.PIN.update(router={router_core}, fleet={other})
     os.sched_setaffinity(0, {other})
-    run = rate_rows(256, 1, [50, 100, 150, 200, 300, 400, 600, 1000], 3.0, step_s)
+    rates = [50, 100, 150, 200, 300, 400, 600, 1000]
+    run = rate_rows(256, 1, rates, 3.0, step_s)
     results = {"rate": [run], "pinned": {"router": router_core, "fleet and load generator": other}}
+    results["floor"] = floor_rows(rates, 3.0, step_s)
+    fleet, addresses = start_fleet(256, step_s)
+    try:
+        results["relay_floor"] = floor_rows(rates, 3.0, step_s, addresses)
+    finally:
+        stop(fleet)
     print(f"\nthe router on core {router_core}; the fake fleet and this load generator on core {other}")
     print_rates(results)
+    print_floor(results)
     at = [r for r in run["rows"] if r["offered"] == 1000 and r["achieved"] >= 950]
     value = f"{at[0]['overhead_p99_ms']:.2f}" if at else f"not sustained (best {run['sustained_rps']:.0f} req/s)"
     met = bool(at) and at[0]["overhead_p99_ms"] <= 2.0

@@ -137,6 +137,108 @@ def serve_router(addresses: str) -> None:
     router.stop()
 
 
+def serve_floor(step_s: str) -> None:
+    """This script as grpc.aio's own floor for the router's public side: a bare `Tandem.Generate` that
+    writes 16 token messages, one per `step_s`, with no Tandem code at all (no placement, no worker,
+    no telemetry); prints its address, stops on EOF."""
+    from tandem.v1 import api_pb2_grpc
+
+    class Floor(api_pb2_grpc.TandemServicer):
+        async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+            for i in range(request.sampling.max_tokens):
+                await asyncio.sleep(float(step_s))
+                yield api_pb2.GenerateResponse(token_ids=[i + 10])
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        api_pb2_grpc.add_TandemServicer_to_server(Floor(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"127.0.0.1:{port}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def serve_relay(addresses: str) -> None:
+    """This script as the least a router over step streams can be: a bare `Tandem.Generate` that sends
+    each request to a fake worker (round robin) as one command on that worker's step stream and
+    writes each of its entries to the client as one message. No validation, placement, telemetry or
+    text: grpc.aio's floor for the router's whole path. Prints its address, stops on EOF."""
+    from tandem.v1 import api_pb2_grpc
+
+    workers = list(json.loads(addresses).values())
+
+    async def main() -> None:
+        channels = [grpc.aio.insecure_channel(a) for a in workers]
+        commands: list[asyncio.Queue] = [asyncio.Queue() for _ in workers]
+        waiting: dict[str, asyncio.Queue] = {}
+
+        async def link(channel: grpc.aio.Channel, queue: asyncio.Queue) -> None:
+            async def sent():  # type: ignore[no-untyped-def]
+                while True:
+                    yield await queue.get()
+
+            async for frame in worker_pb2_grpc.WorkerStub(channel).Steps(sent()):
+                for entry in frame.tokens:
+                    waiting[entry.request_id].put_nowait(entry)
+
+        links = [asyncio.create_task(link(c, q)) for c, q in zip(channels, commands, strict=True)]
+        count = iter(range(1 << 62))
+
+        class Relay(api_pb2_grpc.TandemServicer):
+            async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+                n = next(count)
+                rid, inbox = f"r{n}", asyncio.Queue()
+                waiting[rid] = inbox
+                submit = worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=request.sampling)
+                commands[n % len(commands)].put_nowait(worker_pb2.StepCommand(submit=submit))
+                try:
+                    while True:
+                        entry = await inbox.get()
+                        yield api_pb2.GenerateResponse(token_ids=entry.token_ids)
+                        if entry.finish_reason:
+                            return
+                finally:
+                    del waiting[rid]
+
+        server = grpc.aio.server()
+        api_pb2_grpc.add_TandemServicer_to_server(Relay(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"127.0.0.1:{port}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop(0)
+        for task in links:
+            task.cancel()
+
+    asyncio.run(main())
+
+
+def floor_rows(rates: list[float], duration_s: float, step_s: float, addresses: dict[str, str] | None = None) -> dict:
+    """grpc.aio's floor on the router's core at the same rates, CPU per call: `serve_floor` (the public
+    side alone), or `serve_relay` over the fleet at `addresses` (the router's whole path)."""
+    mode = ["--serve-floor", str(step_s)] if addresses is None else ["--serve-relay", json.dumps(addresses)]
+    floor = subprocess.Popen(
+        [PY, str(SCRIPT), *mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=_env(), text=True, preexec_fn=_pinned("router"),
+    )  # fmt: skip
+    target = Target([floor.stdout.readline().strip()], direct=False, max_tokens=16)  # type: ignore[union-attr]
+    try:
+        rows = []
+        for rate in rates:
+            cpu = cpu_seconds(floor.pid)
+            row = target.run(open_loop, rate, duration_s)
+            row["floor_cpu_s_per_req"] = (cpu_seconds(floor.pid) - cpu) / max(1, row["sent"])
+            rows.append(row)
+            if row["completed"] < row["sent"] or row["achieved"] < 0.9 * rate:
+                break
+        return {"rows": rows, "sustained_rps": sustained(rows)}
+    finally:
+        stop(floor)
+
+
 # -- 2 and 3: load ------------------------------------------------------------------------------------
 
 

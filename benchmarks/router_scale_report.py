@@ -20,6 +20,24 @@ def print_rates(results: dict) -> None:
         print(f"{'':>8} sustained: {run['sustained_rps']:.0f} req/s; idle router CPU (watch streams) {idle:.0%}")
 
 
+def print_floor(results: dict) -> None:
+    """grpc.aio's floors on the router's core beside the router, rate by rate."""
+    router = {r["offered"]: r["router_cpu_s_per_req"] for r in results["rate"][0]["rows"]}
+    floors = {f["offered"]: f for f in results["floor"]["rows"]}
+    print("\ngrpc.aio's floors on the router's core, no Tandem code: a bare Generate writing the same 16 messages"
+          " (public side), and a bare relay over the fleet's step streams (whole path)")  # fmt: skip
+    print(f"{'offered':>8} {'relay achieved':>14} {'public ms/req':>13} {'relay ms/req':>12} {'router ms/req':>13}"
+          f" {'router / relay':>14}")  # fmt: skip
+    nan = float("nan")
+    for r in results["relay_floor"]["rows"]:
+        public = floors.get(r["offered"], {}).get("floor_cpu_s_per_req", nan)
+        mine, relay = router.get(r["offered"], nan), r["floor_cpu_s_per_req"]
+        print(f"{r['offered']:>8.0f} {r['achieved']:>14.0f} {public * 1e3:>13.2f} {relay * 1e3:>12.2f}"
+              f" {mine * 1e3:>13.2f} {mine / relay:>14.2f}")  # fmt: skip
+    print(f"{'':>8} sustained: public side {results['floor']['sustained_rps']:.0f} req/s, relay"
+          f" {results['relay_floor']['sustained_rps']:.0f} req/s")  # fmt: skip
+
+
 def print_table(results: dict) -> None:
     print("\nplacement (one choice after one worker's snapshot changed)")
     print(f"{'workers':>8} {'pushed us':>10} {'polled compute us':>18} {'vs 16':>6}")
@@ -83,6 +101,15 @@ def breakdown(results: dict) -> list[str]:
             f" per request ({last['achieved'] * per_req:.0%} of it busy), the fleet's"
             f" {last['fleet_cpu_s_per_req'] * 1e3:.2f} ms (its core also runs this load generator)"
         )
+        if "relay_floor" in results:
+            relay = results["relay_floor"]["rows"][-1]
+            lines.append(
+                f"grpc.aio's floor for the same path on the same core (a bare relay over the fleet's step streams,"
+                f" no Tandem code): {relay['floor_cpu_s_per_req'] * 1e3:.2f} ms per request at {relay['offered']:.0f}"
+                f" offered, sustained {results['relay_floor']['sustained_rps']:.0f} req/s (the public side alone:"
+                f" {results['floor']['rows'][-1]['floor_cpu_s_per_req'] * 1e3:.2f} ms, sustained"
+                f" {results['floor']['sustained_rps']:.0f})"
+            )
         return lines
     lines.append(
         f"all processes share {os.cpu_count()} cores: when router + fleet + load generator fill them, a second router"
@@ -177,6 +204,9 @@ def plot_rates(results: dict, path: Path) -> None:
         rows, label = run["rows"], f"{run['workers']} workers, {run['routers']} router(s)"
         a.plot([r["offered"] for r in rows], [r["achieved"] for r in rows], "o-", label=label)
         b.plot([r["offered"] for r in rows], [r["overhead_p99_ms"] for r in rows], "o-", label=label)
+    for key, label in (("floor", "grpc.aio, public side alone"), ("relay_floor", "grpc.aio, bare relay")):
+        rows = results.get(key, {}).get("rows", [])
+        a.plot([r["offered"] for r in rows], [r["achieved"] for r in rows], "s--", label=f"{label} (no Tandem)")
     a.plot([0, 1000], [0, 1000], ls=":", color="grey")
     a.set(xlabel="offered req/s", ylabel="completed req/s", title="16-token streams")
     b.axhline(2.0, ls=":", color="grey")
