@@ -5,7 +5,8 @@ lands on a worker that may never have seen its chat), tiers off and every tier.
     .venv/bin/python benchmarks/kv_tiers.py [--quick] [--model PATH] [--dtype bfloat16]
 
 A real local cluster in this process (no Ray): one prefill and two decode workers over real gRPC,
-fresh for each row, with pools sized to hold about a quarter of the live histories; the workload of
+fresh for each row, with its three pools together sized to hold about a quarter of the live histories
+(each a twelfth: most turns find their history gone from the pools with tiers off); the workload of
 `benchmarks/multiturn.py` (conversations sharing a system prompt, each turn's reply becoming history).
 Per row: TTFT p50 and p99 on turns >= 2; prompt tokens computed against the ideal (an infinite cache
 on one worker); blocks and bytes loaded by tier; and what a block loaded from each tier cost as a
@@ -52,6 +53,7 @@ ROWS = {  # row -> (tiers, placement)
     "off, random placement": ((), "random"),
     "shared, random placement": (("host", "disk", "shared"), "random"),
 }
+POOLS = 3  # two decode workers and a prefill worker (`Cluster`)
 BASELINE = {"kv": "off", "random": "off, random placement"}  # recomputing everything, placed the same way
 
 
@@ -288,9 +290,10 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # each engine core process, spawned from here, one thread
     shape = (16, 4) if args.quick else (64, 6)
     w = Workload(*shape, 400, 48, 24, think_s=think_s)
-    # The histories' distinct tokens (one system prompt, each conversation's own turns); each pool holds a quarter.
+    # The histories' distinct tokens (one system prompt, each conversation's own turns); the three pools
+    # (two decode workers', the prefill worker's) hold a quarter of them together.
     live = w.system_tokens + w.conversations * w.turns * (w.user_tokens + w.reply_tokens)
-    blocks = max(64, live // BLOCK // 4)
+    blocks = max(64, live // BLOCK // 4 // POOLS)
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), password=SECRET, maxmemory="2gb").start()
         try:

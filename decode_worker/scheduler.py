@@ -101,6 +101,7 @@ class Scheduler:
         self.blocks.mark_computed(request.request_id, request.all_token_ids)
         request.output_token_ids.append(first_token)
         request.num_passes = 1  # the prefill worker's pass gave the first token
+        request.first_token_at = time.monotonic()  # here already: a preemption's recompute is not a first pass
         reason = self._stop_reason(request, first_token)
         if reason is not None:
             self._finish(request, reason)

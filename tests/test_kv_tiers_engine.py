@@ -80,6 +80,24 @@ def test_each_prompt_prefilled_says_where_its_first_token_waited(model):
     assert tiered.take_first_tokens() == []
 
 
+def test_a_transferred_sequence_preempted_and_computed_again_is_no_local_first_token(model):
+    """A sequence whose KV came by transfer had its first token from the prefill worker: when the pool
+    preempts it and it is computed here again, that is not a local prefill's first token."""
+    small = engine(model, num_blocks=24)  # 96 tokens: two growing 40-token sequences do not fit
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    small.add_request("local", prompt(1), long)
+    small.step()
+    small.reserve("moved", prompt(2), long)
+    small.admit("moved", prompt(2), long, first_token=5)
+    preempted = 0
+    while small.has_unfinished:
+        small.step()
+        preempted += sum(r.num_preemptions for r in small.scheduler.running if r.request_id == "moved")
+    assert preempted, "the pool never preempted the transferred sequence"
+    (waited,) = small.take_first_tokens()  # the local prompt's only
+    assert 0 <= waited.queue_s < 60 and waited.prefill_s > 0
+
+
 def test_a_restarted_engine_serves_its_next_turn_from_disk(model, tmp_path):
     tiers = TiersConfig(disk=DiskTierConfig(path=tmp_path / "kv", gib=0.01), write="computed")
     history = prompt(5)
