@@ -22,8 +22,8 @@ Goals: TTFT p50 on turns >= 2 at least 3x better with every tier on than with ti
 the ideal hit rate with every tier on; under random placement with the shared tier, a turn computes
 <= 10 % of the prefix the tiers hold; no row slower than tiers off placed the same way (a tier never
 costs more than recomputing); after the restart, <= 10 % of the cached prefix computed again. Prints
-a table and writes `benchmarks/results/kv_tiers.{json,png}` (`kv_tiers_quick` with `--quick`; an `_avx2`
-suffix on an AVX2-only machine).
+a table and writes `benchmarks/results/kv_tiers.{json,png}` (`kv_tiers_quick` with `--quick`; suffixed by
+`cluster.cpu.results_suffix()`: `_avx2` on an AVX2-only machine, `_amx` with AMX).
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def used() -> bool:
 @functools.cache
 def torch_flash() -> bool:
     """Whether bfloat16 prompt chunks attend through torch's flash attention rather than the
-    AVX512-BF16 kernel: on a CPU with AMX tiles, whose products torch's runs on (2.2-2.5x faster)."""
+    AVX512-BF16 kernel: on a CPU with AMX tiles, whose products torch's runs on (2.0-2.4x faster on
+    chunks of 64 tokens or more, `benchmarks/prefill_attention.py`)."""
     from cluster.cpu import cpu_flags
 
     return "amx_bf16" in cpu_flags()

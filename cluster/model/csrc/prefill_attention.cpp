@@ -8,7 +8,7 @@
 // with a sliding window or without, go through a flash kernel in float32 vectors (AVX2 or AVX-512;
 // `flash_vectors.h`): 1.5x torch's on a 512-token prompt on an AVX2 machine (AMD Zen 3), packing included.
 // On a CPU with AMX tiles the caller passes `torch_flash` for bfloat16: torch's flash attention runs its
-// products on the tiles (oneDNN's brgemm) and outruns the pair products 2.2-2.5x, the gather included
+// products on the tiles (oneDNN's brgemm) and outruns the pair products 2.0-2.4x, the gather included
 // (72 new tokens after 496 cached: 0.50 against 1.12 ms a layer on an Intel Xeon, one thread).
 // An int8 cache is gathered and dequantised, and goes through torch's flash attention: with its
 // causal rule for a chunk that starts at position 0, else with an explicit mask (query i, at
