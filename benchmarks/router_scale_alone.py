@@ -137,11 +137,21 @@ def serve_router(addresses: str) -> None:
     router.stop()
 
 
+async def _serve_until_eof(servicer: api_pb2_grpc.TandemServicer) -> None:
+    """Serves `servicer` as `tandem.v1.Tandem` on a free port, prints its address, stops on EOF."""
+    server = grpc.aio.server()
+    api_pb2_grpc.add_TandemServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"127.0.0.1:{port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(0)
+
+
 def serve_floor(step_s: str) -> None:
     """This script as grpc.aio's own floor for the router's public side: a bare `Tandem.Generate` that
     writes 16 token messages, one per `step_s`, with no Tandem code at all (no placement, no worker,
     no telemetry); prints its address, stops on EOF."""
-    from tandem.v1 import api_pb2_grpc
 
     class Floor(api_pb2_grpc.TandemServicer):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def]
@@ -149,16 +159,7 @@ def serve_floor(step_s: str) -> None:
                 await asyncio.sleep(float(step_s))
                 yield api_pb2.GenerateResponse(token_ids=[i + 10])
 
-    async def main() -> None:
-        server = grpc.aio.server()
-        api_pb2_grpc.add_TandemServicer_to_server(Floor(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        print(f"127.0.0.1:{port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-        await server.stop(0)
-
-    asyncio.run(main())
+    asyncio.run(_serve_until_eof(Floor()))
 
 
 def serve_relay(addresses: str) -> None:
@@ -166,8 +167,6 @@ def serve_relay(addresses: str) -> None:
     each request to a fake worker (round robin) as one command on that worker's step stream and
     writes each of its entries to the client as one message. No validation, placement, telemetry or
     text: grpc.aio's floor for the router's whole path. Prints its address, stops on EOF."""
-    from tandem.v1 import api_pb2_grpc
-
     workers = list(json.loads(addresses).values())
 
     async def main() -> None:
@@ -203,13 +202,7 @@ def serve_relay(addresses: str) -> None:
                 finally:
                     del waiting[rid]
 
-        server = grpc.aio.server()
-        api_pb2_grpc.add_TandemServicer_to_server(Relay(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        print(f"127.0.0.1:{port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-        await server.stop(0)
+        await _serve_until_eof(Relay())
         for task in links:
             task.cancel()
 

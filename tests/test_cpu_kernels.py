@@ -185,18 +185,19 @@ def test_prefill_attention_equals_padded_sdpa(dtype, chunks, window, torch_flash
 LONG_CHUNKS = [SeqChunk(list(range(40, 0, -1)), 70, 250), SeqChunk(list(range(41, 50)), 0, 65)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# torch_flash changes the path of bfloat16 only.
+DTYPE_PATHS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)]
+
+
+@pytest.mark.parametrize(("dtype", "torch_flash"), DTYPE_PATHS, ids=["f32", "bf16", "bf16 torch flash", "f16"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("torch_flash", [False, True], ids=["ours", "torch flash"])
-def test_prefill_attention_long_chunks(dtype, heads, kv_heads, dim, window, torch_flash):
+def test_prefill_attention_long_chunks(dtype, torch_flash, heads, kv_heads, dim, window):
     """The flash kernels' blocks of queries and keys (bfloat16 through AVX512-BF16 pair products
     where the CPU has them and no window is set, every float dtype through float32 vectors), several
     query heads per KV head or one, head dims of one and two strips, a sliding window longer than a
     key block (whole blocks before it are skipped), against float32 attention on the same inputs;
     bfloat16 with `torch_flash` through torch's flash attention."""
-    if torch_flash and dtype != torch.bfloat16:
-        pytest.skip("torch_flash changes the path of bfloat16 only")
     q, k_cache, v_cache, meta = _prefill_case(dtype, LONG_CHUNKS, heads, kv_heads, dim, blocks=50)
     got, expected = _prefill(q, k_cache, v_cache, meta, window, torch_flash=torch_flash)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
