@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,22 +66,18 @@ def op_times(new: int, cached: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def first_pass_times(model_folder: Path | None, repeats: int) -> list[dict]:
-    """Admission to first token of one chunk, each path in turn, for a turn (72 new after 496 cached)
-    and a prompt (512 new)."""
+PASSES = (("72 new after 496 cached", 496, 72), ("512 new", 0, 512))  # (label, cached, new): a turn, a prompt
+
+
+def first_token_timer(model: torch.nn.Module) -> Callable[[list[int], str], float]:
+    """A function timing one request of `model`'s engine from admission to its first token (seconds)."""
     from decode_roofline_measure import _NoText
 
     from cluster.config import CacheConfig, SchedulerConfig
     from cluster.engine.request import SamplingParams
-    from cluster.model.builder import init_model_folder
-    from cluster.model.loader import load_model
     from decode_worker.engine import Engine
 
-    folder = model_folder or init_model_folder(Path("/tmp/tandem-prefill-attention-demo"), "smollm-135m")
-    model = load_model(folder, "bfloat16", "cpu")
     engine = Engine(model, _NoText(), CacheConfig(block_size=BLOCK, num_blocks=400), SchedulerConfig())
-    rng = random.Random(0)
-    vocab = model.arch.vocab_size
 
     def first_token(prompt: list[int], rid: str) -> float:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -90,15 +87,26 @@ def first_pass_times(model_folder: Path | None, repeats: int) -> list[dict]:
                 first = time.perf_counter() - start
         return first or 0.0
 
-    history = [rng.randrange(10, vocab) for _ in range(496)]
+    return first_token
+
+
+def first_pass_times(model_folder: Path | None, repeats: int) -> list[dict]:
+    """Admission to first token of one chunk (`PASSES`), each path in turn."""
+    from cluster.model.builder import init_model_folder
+    from cluster.model.loader import load_model
+
+    folder = model_folder or init_model_folder(Path("/tmp/tandem-prefill-attention-demo"), "smollm-135m")
+    model = load_model(folder, "bfloat16", "cpu")
+    first_token, rng = first_token_timer(model), random.Random(0)
+    history = [rng.randrange(10, model.arch.vocab_size) for _ in range(max(c for _, c, _ in PASSES))]
     first_token(history, "history")  # cached from here on
     rows, chosen = [], cpu_kernels.torch_flash
-    for label, prefix, new in (("72 new after 496 cached", history, 72), ("512 new", [], 512)):
+    for label, cached, new in PASSES:
         times: dict[str, list[float]] = {name: [] for name in PATHS}
         for i in range(repeats):
             for name, flag in PATHS.items():
                 cpu_kernels.torch_flash = lambda flag=flag: flag  # what `attention._attend` asks
-                prompt = prefix + [rng.randrange(10, vocab) for _ in range(new)]
+                prompt = history[:cached] + [rng.randrange(10, model.arch.vocab_size) for _ in range(new)]
                 times[name].append(first_token(prompt, f"{label}-{name}-{i}"))
         rows.append({"chunk": label, **{name: statistics.median(t) for name, t in times.items()}})
     cpu_kernels.torch_flash = chosen
@@ -131,8 +139,13 @@ def main() -> None:
               f"{r['own kernel'] / r['torch flash']:>13.2f}")  # fmt: skip
     results = {"cpu": kind, "kernels": cpu_kernels.variant(), "threads": args.threads, "chosen": chosen,
                "model": args.model.name if args.model else "demo preset", "op": ops, "first_pass": passes}  # fmt: skip
+    save(results, "prefill_attention", plot)
+
+
+def save(results: dict, name: str, plot: Callable[[dict, Path], None]) -> None:
+    """Writes `results` and its figure as `benchmarks/results/{name}{suffix}.{json,png}`."""
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / f"prefill_attention{results_suffix()}"
+    stem = OUT / f"{name}{results_suffix()}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))
     print(f"\nwrote {stem}.json and .png")

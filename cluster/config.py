@@ -63,6 +63,12 @@ class ModelConfig(_Part):
         default=True,
         description="With weight_dtype int8/int4: quantise the LM head too (a decode step reads it whole).",
     )
+    prepack_weights: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="CPU: keep a second copy of the layers' weights (bfloat16, quantised ones dequantised) in "
+        "oneDNN's layout for prompt products of more than 16 rows, 1.2-1.8x faster there, at the cost of that copy's "
+        "memory. auto: bfloat16 models on a CPU with AMX tiles; on: wherever oneDNN runs the dtype; off: never.",
+    )
     compile_buckets: tuple[int, ...] = Field(
         default=(),
         description="Decode workers: row counts (sequences, plus draft tokens to verify) of the steps compiled with "

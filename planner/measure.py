@@ -50,7 +50,15 @@ def grids(quick: bool) -> dict[str, Any]:
 
 def profile(config: ClusterConfig, threads: list[int], quick: bool = False) -> Profile:
     m = config.model
-    model = load_model(model_folder(m.path), m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
+    model = load_model(
+        model_folder(m.path),
+        m.dtype,
+        m.device,
+        m.weight_dtype,
+        m.weight_group_size,
+        m.quantize_lm_head,
+        m.prepack_weights,
+    )
     arch = model.arch
     grid = grids(quick)
     buckets = tuple(sorted(m.compile_buckets)) if not quick else ()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model import cpu_kernels
+from cluster.model import cpu_kernels, prepack
 from cluster.model.arch import ModelArch, RopeConfig
 from cluster.model.attention import AttentionMetadata, KVCache, paged_attention
 from cluster.model.lora import LayerLora, LoraBatch
@@ -36,8 +36,12 @@ class Linear(nn.Linear):
     bandwidth. Up to `cpu_kernels.SKINNY_ROWS[dtype]` rows go through `tandem_cpu::skinny_linear`,
     eager and compiled, which reads each weight row once for all of them (on CPUs with AVX-512:
     `cpu_kernels.used()`). Elsewhere compiled products with one or two rows are written as
-    `(x * W).sum(-1)`, which inductor turns into one loop over the weight rows.
+    `(x * W).sum(-1)`, which inductor turns into one loop over the weight rows. More rows, eager,
+    take the weight packed once for oneDNN where `cluster.model.prepack` packed it.
     """
+
+    onednn: torch.Tensor | None = None  # `prepack.prepack`'s copy of the weight, if any
+    onednn_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
@@ -46,6 +50,8 @@ class Linear(nn.Linear):
         if few and cpu_kernels.used():
             y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
             return y if self.bias is None else y + self.bias
+        if on_cpu and not few and prepack.usable(self, x):
+            return prepack.product(x, self.onednn, self.bias)
         if not on_cpu or rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         # float32 row times bfloat16 weight: the widening happens inside the fused loop. An explicit

@@ -1,0 +1,78 @@
+"""Prompt products on weights laid out once for oneDNN, on CPUs with AMX tiles.
+
+A prompt's chunk multiplies tens to hundreds of rows by every weight matrix: arithmetic, not reading,
+bounds it. Eager `F.linear` in bfloat16 runs it through oneDNN, which first copies the whole weight into
+the blocked layout its tile kernels read, on every call. Done once at load (`prepack`), the copy is
+gone from the pass: SmolLM2-135M's four layer products, bfloat16, 2 threads, on an Intel Xeon with
+AMX, 1.2-1.3x faster at 17-256 rows, even (0.92-1.04x) from 512; an int8 or int4 layer's, 1.2-7.6x
+(`benchmarks/prefill_products.py`).
+
+The packed weight is a second copy, kept beside the plain one: decode's few-row products
+(`tandem_cpu::skinny_linear` and its int8 / int4 twins) stream the plain rows, which they read faster
+than oneDNN does. So `prepack` costs the layers' weights once more in bfloat16 (SmolLM2-135M: 212 MB;
+the embedding table and the LM head, which a prompt multiplies only at its sampled rows, are never
+packed). A quantised layer packs its weights dequantised: its prompt products then run at the
+bfloat16 rate, while decode still reads int8 or int4.
+
+`ModelConfig.prepack_weights` chooses: auto packs bfloat16 models on a CPU with AMX tiles, where it
+was measured to pay; on packs wherever oneDNN runs the dtype; off never packs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SETTINGS = ("auto", "on", "off")
+
+
+def wanted(setting: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether a model of `dtype` on `device` packs its layers' weights under `setting`."""
+    if setting not in SETTINGS:
+        raise ValueError(f"prepack_weights must be one of {SETTINGS}, not {setting!r}")
+    if setting == "off" or device != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    if setting == "on":
+        return dtype in (torch.float32, torch.bfloat16)
+    from cluster.cpu import cpu_flags
+
+    return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in oneDNN's blocked layout, for `product` (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, K] @ the packed weight's transpose (+ bias): what `F.linear` gives on the plain weight."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def usable(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module`'s forward takes its packed weight for `x`: packed, eager, in its dtype."""
+    packed = getattr(module, "onednn", None)
+    eager = not torch.compiler.is_compiling() and not x.requires_grad
+    return packed is not None and eager and x.dtype == module.onednn_dtype
+
+
+def prepack(model: nn.Module) -> int:
+    """Packs the weights of every linear layer in `model.layers` (plain or quantised: each has
+    `dense()` or a `weight`), once; returns the bytes the copies take."""
+    total = 0
+    for module in model.layers.modules():
+        if not hasattr(module, "onednn"):
+            continue
+        weight = module.dense() if hasattr(module, "dense") else module.weight
+        module.onednn, module.onednn_dtype = pack(weight.detach()), weight.dtype
+        total += weight.numel() * weight.element_size()
+    return total
+
+
+def unpack(model: nn.Module) -> None:
+    """Drops the packed copies: the layers go back to their own products."""
+    for module in model.layers.modules():
+        if getattr(module, "onednn", None) is not None:
+            module.onednn = None
