@@ -127,3 +127,13 @@ def test_the_setting_is_validated():
     assert ModelConfig(path=DEMO).prepack_weights == "auto"
     with pytest.raises(ValidationError, match="prepack_weights"):
         ModelConfig(path=DEMO, prepack_weights="always")
+
+
+def test_a_compiled_graph_runs_its_own_products_on_a_packed_layer(products):
+    """Inductor traces the layer without its opaque packed copy and multiplies the plain weight."""
+    module = _layers(torch.float32)[0]
+    _pack(module)
+    x = torch.randn(80, 256)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, module.weight, module.bias))
+    assert not products

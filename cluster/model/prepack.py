@@ -52,10 +52,11 @@ def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def usable(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `module`'s forward takes its packed weight for `x`: packed, eager, in its dtype."""
-    packed = getattr(module, "onednn", None)
-    eager = not torch.compiler.is_compiling() and not x.requires_grad
-    return packed is not None and eager and x.dtype == module.onednn_dtype
+    """Whether `module`'s forward takes its packed weight for `x`: packed, eager, in its dtype. A graph
+    being compiled never looks at the copy (an opaque tensor; inductor packs weights its own way)."""
+    if torch.compiler.is_compiling() or x.requires_grad:
+        return False
+    return getattr(module, "onednn", None) is not None and x.dtype == module.onednn_dtype
 
 
 def prepack(model: nn.Module) -> int:
