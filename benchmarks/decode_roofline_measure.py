@@ -122,6 +122,48 @@ def tandem_step_time(
     return statistics.median(steps), probe.numel() * 4 / statistics.median(sums), rate
 
 
+_PRODUCTS = ("skinny_linear", "_weight_int", "linear", "aten::mm", "aten::addmm")
+
+
+def _kind(name: str) -> str | None:
+    """What a decode step's profiled event is, by its name: a weight product (Tandem's kernels, torch's,
+    a GEMM inductor generated), the attention kernel, one of the compiled graph's fused element-wise
+    loops (named `graph_*` where `cpp.enable_kernel_profile` is set when compiling), or none of them."""
+    if name.startswith("graph_"):
+        return "products" if "_gemm_" in name else "elementwise"
+    if "decode_attention" in name:
+        return "attention"
+    return "products" if any(k in name for k in _PRODUCTS) else None
+
+
+def step_breakdown(engine: Engine, batch: int, weight_bytes: int, kv_bytes: int, step_s: float) -> dict[str, float]:
+    """Where one decode step's `step_s` goes, from the self times torch's profiler records over steps
+    like `tandem_step_time`'s: the weight products and the attention kernel (each with the bytes it
+    reads per second), the graph's fused element-wise loops, and the rest (launching them, the
+    graph's wrapper, metadata, sampling), which is the step's unprofiled time less the three, as the
+    profiler's own cost per event would inflate it."""
+    from torch.profiler import profile
+
+    plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
+    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
+    steps = 20
+    engine.runner.execute(plan, rows)
+    with profile() as prof:
+        for _ in range(steps):
+            engine.runner.execute(plan, rows)
+    spent = {"products": 0.0, "attention": 0.0, "elementwise": 0.0}
+    for event in prof.key_averages():
+        kind = _kind(event.key)
+        if kind is not None:
+            spent[kind] += event.self_cpu_time_total / 1e6 / steps
+    return {
+        **{f"{k}_ms": v * 1e3 for k, v in spent.items()},
+        "rest_ms": max(0.0, step_s - sum(spent.values())) * 1e3,
+        "products_gbps": weight_bytes / spent["products"] / 1e9 if spent["products"] else float("nan"),
+        "attention_gbps": kv_bytes / spent["attention"] / 1e9 if spent["attention"] else float("nan"),
+    }
+
+
 class _TokenClock:
     """A generate() streamer that timestamps each token step as transformers emits it."""
 

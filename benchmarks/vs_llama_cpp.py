@@ -22,7 +22,10 @@ Per setting and round, llama.cpp's `llama-bench` (decode of 128 tokens after a 5
 and a 512-token prompt) and then Tandem in a process of its own (the decode step at batch 1 with a
 512-token context, eager and compiled, and a 512-token prompt's pass) take turns. Rows give tokens
 per second (medians over rounds), the ratio Tandem / llama.cpp, and Tandem's decode bytes per second
-against the memory floor measured beside it. Prints the CPU, the kernel path, a table; writes
+against the memory floor measured beside it. A second table sets each setting against the first (decode
+and prefill speed-ups) and breaks Tandem's compiled step down (`decode_roofline_measure.step_breakdown`):
+the weight products and the attention kernel, each with the bytes it reads per second, the graph's
+element-wise loops, and the rest. Prints the CPU, the kernel path, the tables; writes
 `benchmarks/results/vs_llama_cpp.{json,png}` (`vs_llama_cpp_avx2.*` on a CPU without AVX-512,
 `vs_llama_cpp_amx.*` on one with AMX).
 """
@@ -166,7 +169,8 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     import time
 
     import torch
-    from decode_roofline_measure import _NoText, tandem_step_time
+    import torch._inductor.config
+    from decode_roofline_measure import _NoText, step_breakdown, tandem_step_time
 
     from cluster.config import CacheConfig, SchedulerConfig
     from cluster.engine.request import SamplingParams
@@ -181,6 +185,11 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     model = load_model(Path(folder), activations, "cpu", weight_dtype=quantise)
     cache = CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2))
     out = {"kernels": cpu_kernels.variant() if cpu_kernels.used() else "torch", "activations": activations}
+    arch = model.arch  # the step reads every weight as stored (int8, int4 and their scales) and the context's KV
+    element = torch.finfo(model.embed_tokens.weight.dtype).bits // 8
+    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, element, "auto")
+    out["step_bytes"] = weight_bytes(model) + kv
+    torch._inductor.config.cpp.enable_kernel_profile = True  # the graphs' loops by name, for the breakdown
     for mode, buckets in (("eager", ()), ("compiled", (1,))):
         torch._dynamo.reset()
         engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2), compile_buckets=buckets)
@@ -189,10 +198,7 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
         step_s, floor, _ = tandem_step_time(engine, 1, "cpu", repeat, matmul=False)
         out[f"decode_{mode}"] = 1 / step_s
         out[f"floor_gbps_{mode}"] = floor / 1e9
-    arch = model.arch  # the step reads every weight as stored (int8, int4 and their scales) and the context's KV
-    element = torch.finfo(model.embed_tokens.weight.dtype).bits // 8
-    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, element, "auto")
-    out["step_bytes"] = weight_bytes(model) + kv
+    out["breakdown"] = {"step_ms": step_s * 1e3, **step_breakdown(engine, 1, weight_bytes(model), kv, step_s)}
     engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=CONTEXT))
     times = []
     for i in range(repeat + 1):  # the first warms up
@@ -264,6 +270,7 @@ def main() -> None:
             f"{r['tandem_prefill']:>14.0f}{r['llama_prefill']:>17.0f}{r['prefill_ratio']:>7.2f}x"
         )
     say_unrepacked(records)
+    print_breakdown(records)
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "activations": activations}
     meta["llama_cpp_python"] = LLAMA_CPP_PYTHON
@@ -271,6 +278,20 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": records}, indent=1))
     plot(records, stem.with_suffix(".png"), meta)
     print(f"\nwrote {stem}.json and .png")
+
+
+def print_breakdown(records: list[dict]) -> None:
+    """Each setting against the first (its speed-ups), and where its compiled decode step goes."""
+    base = records[0]
+    print(f"\nagainst {base['setting']}: decode (best of eager and compiled) and prefill; the compiled step, ms:")
+    print(f"{'setting':<8}{'decode':>8}{'prefill':>9}{'step':>7}{'products (GB/s)':>17}{'attention (GB/s)':>18}"
+          f"{'element-wise':>14}{'the rest':>10}")  # fmt: skip
+    best = lambda r: max(r["tandem_decode_eager"], r["tandem_decode_compiled"])  # noqa: E731
+    for r in records:
+        b = r["breakdown"]
+        print(f"{r['setting']:<8}{best(r) / best(base):>7.2f}x{r['tandem_prefill'] / base['tandem_prefill']:>8.2f}x"
+              f"{b['step_ms']:>7.2f}{b['products_ms']:>8.2f} ({b['products_gbps']:>4.1f}){b['attention_ms']:>9.2f}"
+              f" ({b['attention_gbps']:>4.1f}){b['elementwise_ms']:>14.2f}{b['rest_ms']:>10.2f}")  # fmt: skip
 
 
 def say_unrepacked(records: list[dict]) -> None:
@@ -297,6 +318,7 @@ def record(name: str, runs: list[tuple[dict, dict]]) -> dict:
         "tandem_prefill": median("prefill", 0),
         "llama_prefill": median("prefill", 1),
         "prefill_ratio": median("prefill", 0) / median("prefill", 1),
+        "breakdown": {k: statistics.median(run[0]["breakdown"][k] for run in runs) for k in runs[0][0]["breakdown"]},
         "rounds": runs,
     }
 

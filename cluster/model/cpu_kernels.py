@@ -28,7 +28,6 @@ agree to float32 rounding.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -102,14 +101,21 @@ def used() -> bool:
     return _state["vector"] and available()
 
 
-@functools.cache
+def amx() -> bool:
+    """Whether the CPU has AMX tiles (`amx_bf16`), on which oneDNN and inductor run products their own way
+    (read once; a graph being compiled sees the answer as a constant)."""
+    if "amx" not in _state:
+        from cluster.cpu import cpu_flags
+
+        _state["amx"] = "amx_bf16" in cpu_flags()
+    return _state["amx"]
+
+
 def torch_flash() -> bool:
     """Whether bfloat16 prompt chunks attend through torch's flash attention rather than the
     AVX512-BF16 kernel: on a CPU with AMX tiles, whose products torch's runs on (2.0-2.4x faster on
     chunks of 64 tokens or more, `benchmarks/prefill_attention.py`)."""
-    from cluster.cpu import cpu_flags
-
-    return "amx_bf16" in cpu_flags()
+    return amx()
 
 
 def _load() -> bool:
