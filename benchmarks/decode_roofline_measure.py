@@ -129,8 +129,8 @@ def _kind(name: str) -> str | None:
     """What a decode step's profiled event is, by its name: a weight product (Tandem's kernels, torch's,
     a GEMM inductor generated), the attention kernel, one of the compiled graph's fused element-wise
     loops (named `graph_*` where `cpp.enable_kernel_profile` is set when compiling), or none of them."""
-    if name.startswith("graph_"):
-        return "products" if "_gemm_" in name else "elementwise"
+    if name.startswith("graph_"):  # `graph_0_cpp_fused_*` loops; GEMM templates: `graph_0_gemm_*`, `graph_0_kernel`
+        return "elementwise" if "cpp_fused" in name and "_gemm_" not in name else "products"
     if "decode_attention" in name:
         return "attention"
     return "products" if any(k in name for k in _PRODUCTS) else None
@@ -152,7 +152,8 @@ def step_breakdown(engine: Engine, batch: int, weight_bytes: int, kv_bytes: int,
         for _ in range(steps):
             engine.runner.execute(plan, rows)
     spent = {"products": 0.0, "attention": 0.0, "elementwise": 0.0}
-    for event in prof.key_averages():
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for event in events:
         kind = _kind(event.key)
         if kind is not None:
             spent[kind] += event.self_cpu_time_total / 1e6 / steps
@@ -161,6 +162,7 @@ def step_breakdown(engine: Engine, batch: int, weight_bytes: int, kv_bytes: int,
         "rest_ms": max(0.0, step_s - sum(spent.values())) * 1e3,
         "products_gbps": weight_bytes / spent["products"] / 1e9 if spent["products"] else float("nan"),
         "attention_gbps": kv_bytes / spent["attention"] / 1e9 if spent["attention"] else float("nan"),
+        "events_ms": {e.key: e.self_cpu_time_total / 1e3 / steps for e in events[:12]},  # the largest, by self time
     }
 
 

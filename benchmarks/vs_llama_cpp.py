@@ -164,8 +164,9 @@ def tandem_folders(files: dict[str, Path], source: Path, activations: str) -> di
     return folders
 
 
-def tandem(folder: str, weights: str, activations: str, threads: int, repeat: int) -> dict:
-    """This process's Tandem measurement of one setting (run by `--one`), its activations in `activations`."""
+def tandem(folder: str, weights: str, activations: str, threads: int, repeat: int, breakdown: bool) -> dict:
+    """This process's Tandem measurement of one setting (run by `--one`), its activations in `activations`;
+    with `breakdown`, where a compiled step's time goes too."""
     import time
 
     import torch
@@ -189,16 +190,20 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     element = torch.finfo(model.embed_tokens.weight.dtype).bits // 8
     kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, element, "auto")
     out["step_bytes"] = weight_bytes(model) + kv
-    torch._inductor.config.cpp.enable_kernel_profile = True  # the graphs' loops by name, for the breakdown
-    for mode, buckets in (("eager", ()), ("compiled", (1,))):
+    modes = [("eager", ()), ("compiled", (1,))] + ([("profiled", (1,))] if breakdown else [])
+    for mode, buckets in modes:
         torch._dynamo.reset()
+        # The breakdown's graph names its loops for the profiler, which slows inductor's own products
+        # (its int8 one by about 1.1 ms a step on an Intel Xeon): a graph of its own, timed beside.
+        torch._inductor.config.cpp.enable_kernel_profile = mode == "profiled"
         engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2), compile_buckets=buckets)
         if buckets:
             engine.runner.compiled.warm_up(engine.runner.kv_cache)
         step_s, floor, _ = tandem_step_time(engine, 1, "cpu", repeat, matmul=False)
         out[f"decode_{mode}"] = 1 / step_s
         out[f"floor_gbps_{mode}"] = floor / 1e9
-    out["breakdown"] = {"step_ms": step_s * 1e3, **step_breakdown(engine, 1, weight_bytes(model), kv, step_s)}
+    if breakdown:
+        out["breakdown"] = {"step_ms": step_s * 1e3, **step_breakdown(engine, 1, weight_bytes(model), kv, step_s)}
     engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=CONTEXT))
     times = []
     for i in range(repeat + 1):  # the first warms up
@@ -211,9 +216,9 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     return out
 
 
-def run_tandem(folder: Path, weights: str, activations: str, args: argparse.Namespace) -> dict:
+def run_tandem(folder: Path, weights: str, activations: str, args: argparse.Namespace, breakdown: bool) -> dict:
     command = [sys.executable, __file__, "--one", str(folder), "--weights", weights, "--threads", str(args.threads)]
-    command += ["--activations", activations]
+    command += ["--activations", activations] + (["--breakdown"] if breakdown else [])
     done = subprocess.run([*command, "--repeat", str(args.repeat)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"Tandem {weights} failed:\n{done.stderr[-3000:]}")
@@ -228,13 +233,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # Tandem's own process for one setting
     parser.add_argument("--weights", default="bfloat16", help=argparse.SUPPRESS)
+    parser.add_argument("--breakdown", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--activations", default=None, help="Tandem's dtype (default: model.dtype auto's)")
     args = parser.parse_args()
     from cluster.cpu import auto_dtype, cpu_kind, results_suffix
 
     activations = args.activations or auto_dtype("cpu")[0]
     if args.one is not None:
-        print(json.dumps(tandem(args.one, args.weights, activations, args.threads, args.repeat)))
+        print(json.dumps(tandem(args.one, args.weights, activations, args.threads, args.repeat, args.breakdown)))
         return
     if shutil.which("cmake") is None or shutil.which("ninja") is None:
         raise SystemExit("building llama.cpp needs cmake and ninja")
@@ -250,12 +256,12 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
     samples: dict[str, list[tuple[dict, dict]]] = {name: [] for name in chosen}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for name in chosen:
             kind, weights = SETTINGS[name]
             theirs = llama_bench(tools, files[kind], args.threads)
             dtype = weights if weights in ("float32", "bfloat16") else activations
-            ours = run_tandem(folders[weights], weights, dtype, args)
+            ours = run_tandem(folders[weights], weights, dtype, args, breakdown=round_ == 0)
             samples[name].append((ours, theirs))
     records = [record(name, runs) for name, runs in samples.items()]
     kernels = samples[chosen[0]][0][0]["kernels"]
@@ -281,17 +287,21 @@ def main() -> None:
 
 
 def print_breakdown(records: list[dict]) -> None:
-    """Each setting against the first (its speed-ups), and where its compiled decode step goes."""
+    """Each setting against the first (its speed-ups), and where its compiled decode step goes: the first
+    round's step, and the same step in a graph that names its loops for the profiler, broken down."""
     base = records[0]
-    print(f"\nagainst {base['setting']}: decode (best of eager and compiled) and prefill; the compiled step, ms:")
-    print(f"{'setting':<8}{'decode':>8}{'prefill':>9}{'step':>7}{'products (GB/s)':>17}{'attention (GB/s)':>18}"
+    print(f"\nagainst {base['setting']}: decode (best of eager and compiled), prefill; a compiled step, ms: as timed, "
+          "and named for the profiler,\nbroken down: weight products and attention (GB/s they read), "
+          "the graph's element-wise loops, the rest")  # fmt: skip
+    print(f"{'setting':<8}{'decode':>8}{'prefill':>9}{'step':>7}{'named':>7}{'products':>15}{'attention':>15}"
           f"{'element-wise':>14}{'the rest':>10}")  # fmt: skip
     best = lambda r: max(r["tandem_decode_eager"], r["tandem_decode_compiled"])  # noqa: E731
     for r in records:
-        b = r["breakdown"]
+        b, timed = r["breakdown"], 1e3 / r["rounds"][0][0]["decode_compiled"]
         print(f"{r['setting']:<8}{best(r) / best(base):>7.2f}x{r['tandem_prefill'] / base['tandem_prefill']:>8.2f}x"
-              f"{b['step_ms']:>7.2f}{b['products_ms']:>8.2f} ({b['products_gbps']:>4.1f}){b['attention_ms']:>9.2f}"
-              f" ({b['attention_gbps']:>4.1f}){b['elementwise_ms']:>14.2f}{b['rest_ms']:>10.2f}")  # fmt: skip
+              f"{timed:>7.2f}{b['step_ms']:>7.2f}{b['products_ms']:>8.2f} ({b['products_gbps']:>4.1f})"
+              f"{b['attention_ms']:>8.2f} ({b['attention_gbps']:>4.1f}){b['elementwise_ms']:>14.2f}"
+              f"{b['rest_ms']:>10.2f}")  # fmt: skip
 
 
 def say_unrepacked(records: list[dict]) -> None:
@@ -318,7 +328,7 @@ def record(name: str, runs: list[tuple[dict, dict]]) -> dict:
         "tandem_prefill": median("prefill", 0),
         "llama_prefill": median("prefill", 1),
         "prefill_ratio": median("prefill", 0) / median("prefill", 1),
-        "breakdown": {k: statistics.median(run[0]["breakdown"][k] for run in runs) for k in runs[0][0]["breakdown"]},
+        "breakdown": runs[0][0]["breakdown"],  # the first round's
         "rounds": runs,
     }
 

@@ -402,8 +402,7 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
 def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
     """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the product of
     their inputs as the kernels quantise them where the kernels run, else the dequantised product;
-    the kernels run them except in compiled bfloat16 graphs, which keep inductor's products (int4's
-    always, int8's on a CPU without AMX tiles)."""
+    the kernels run them except in compiled bfloat16 graphs, which keep inductor's products."""
     gen = torch.Generator().manual_seed(3)
     assert quant.skinny(dtype) == cpu_kernels.used(), "eager, the int8 kernel runs wherever the kernels do"
     assert quant.skinny(dtype, bits=4) == (cpu_kernels.used() and dtype == torch.float32)
@@ -415,7 +414,7 @@ def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             with torch.inference_mode():
                 for got, graph in ((layer(x), False), (compiled(x), True)):
-                    in_graph = graph and dtype != torch.float32 and (bits == 4 or not cpu_kernels.amx())
+                    in_graph = graph and dtype != torch.float32  # compiled bfloat16 graphs keep inductor's
                     kernel = rows <= INT8_SKINNY_ROWS and quant.skinny(dtype, bits) and not in_graph
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
                     torch.testing.assert_close(got.float(), _reference(layer, x, kernel), rtol=tol, atol=tol * 10)
@@ -517,14 +516,3 @@ def test_dequantize_writes_the_weights_torch_expressions_write(dtype):
         torch.ops.tandem_cpu.dequantize_int8(q, blocks[:, 1:], dtype)
     with pytest.raises(RuntimeError, match=r"scales and minimums \[n, k / group_size\]"):
         torch.ops.tandem_cpu.dequantize_int4(nibbles, group_scales, low, 32, dtype)
-
-
-@pytest.mark.parametrize(("flags", "amx"), [({"avx512_bf16"}, False), ({"avx512_bf16", "amx_bf16"}, True)])
-def test_compiled_bfloat16_int8_graphs_take_the_kernel_where_the_cpu_has_amx_tiles(monkeypatch, flags, amx):
-    import cluster.cpu
-
-    monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert quant.skinny(torch.bfloat16) is (amx and cpu_kernels.used())
-    assert quant.skinny(torch.bfloat16, bits=4) is False
