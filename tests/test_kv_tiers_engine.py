@@ -32,9 +32,20 @@ def model(hf_models):  # type: ignore[no-untyped-def]
     return load_model(hf_models["llama"][0], "float32")
 
 
+_OPEN: list[Engine] = []  # closed after each test: their tiers' threads stop
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():  # type: ignore[no-untyped-def]
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def engine(model, tiers: TiersConfig | None = None, num_blocks: int = 24) -> Engine:  # type: ignore[no-untyped-def]
     cache = CacheConfig(block_size=4, num_blocks=num_blocks, watermark=0.0, tiers=tiers or TiersConfig())
-    return Engine(model, NoText(), cache, BATCHING, secret=SECRET)
+    _OPEN.append(Engine(model, NoText(), cache, BATCHING, secret=SECRET))
+    return _OPEN[-1]
 
 
 def one(e: Engine, prompt: list[int], params: SamplingParams = GREEDY):  # type: ignore[no-untyped-def]
