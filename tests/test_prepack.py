@@ -114,6 +114,7 @@ def test_auto_packs_bfloat16_on_a_cpu_with_amx_tiles_only(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     for flags, packs in ((frozenset({"avx512_bf16", "amx_bf16"}), True), (frozenset({"avx512_bf16"}), False)):
         monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
         assert prepack.wanted("auto", torch.bfloat16, "cpu") is packs
         assert prepack.wanted("auto", torch.float32, "cpu") is False
         assert prepack.wanted("on", torch.float32, "cpu") is True

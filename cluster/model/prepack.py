@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cluster.model import cpu_kernels
+
 SETTINGS = ("auto", "on", "off")
 
 
@@ -36,9 +38,7 @@ def wanted(setting: str, dtype: torch.dtype, device: str) -> bool:
         return False
     if setting == "on":
         return dtype in (torch.float32, torch.bfloat16)
-    from cluster.cpu import cpu_flags
-
-    return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+    return dtype == torch.bfloat16 and cpu_kernels.amx()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
