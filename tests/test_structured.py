@@ -91,9 +91,11 @@ def check(kind: str, text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo():
+def demo():  # type: ignore[no-untyped-def]
     model, tok = load_model(DEMO, "float32"), Tokenizer(DEMO)
-    return model, tok, for_tokenizer(tok, model.arch.vocab_size, tok.eos_token_ids)
+    grammars = for_tokenizer(tok, model.arch.vocab_size, tok.eos_token_ids)
+    yield model, tok, grammars
+    grammars.close()  # its mask thread stops with the module
 
 
 def workload(tok: Tokenizer, kinds=CONSTRAINTS, temperatures=(0.0, 0.8), seeded: bool = True):  # type: ignore[no-untyped-def]
