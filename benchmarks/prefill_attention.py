@@ -69,8 +69,9 @@ def op_times(new: int, cached: int, repeats: int) -> dict[str, float]:
 PASSES = (("72 new after 496 cached", 496, 72), ("512 new", 0, 512))  # (label, cached, new): a turn, a prompt
 
 
-def first_token_timer(model: torch.nn.Module) -> Callable[[list[int], str], float]:
-    """A function timing one request of `model`'s engine from admission to its first token (seconds)."""
+def first_pass_turns(model: torch.nn.Module, repeats: int, paths: dict[str, Callable[[], None]]) -> list[dict]:
+    """Admission to first token of each chunk in `PASSES` on `model`'s engine, the `paths` taking turns
+    (each set up by calling it before its request); the median seconds per path, after one warm-up turn."""
     from decode_roofline_measure import _NoText
 
     from cluster.config import CacheConfig, SchedulerConfig
@@ -87,30 +88,43 @@ def first_token_timer(model: torch.nn.Module) -> Callable[[list[int], str], floa
                 first = time.perf_counter() - start
         return first or 0.0
 
-    return first_token
+    rng, vocab = random.Random(0), model.arch.vocab_size
+    history = [rng.randrange(10, vocab) for _ in range(max(c for _, c, _ in PASSES))]
+    first_token(history, "history")  # cached from here on
+    rows = []
+    for label, cached, new in PASSES:
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for i in range(repeats + 1):
+            for name, use in paths.items():
+                use()
+                t = first_token(
+                    history[:cached] + [rng.randrange(10, vocab) for _ in range(new)], f"{label}-{name}-{i}"
+                )
+                if i:  # the first turn warms up
+                    times[name].append(t)
+        rows.append({"chunk": label, **{name: statistics.median(t) for name, t in times.items()}})
+    return rows
 
 
 def first_pass_times(model_folder: Path | None, repeats: int) -> list[dict]:
-    """Admission to first token of one chunk (`PASSES`), each path in turn."""
+    """Admission to first token of one chunk (`PASSES`), each attention path in turn."""
     from cluster.model.builder import init_model_folder
     from cluster.model.loader import load_model
 
     folder = model_folder or init_model_folder(Path("/tmp/tandem-prefill-attention-demo"), "smollm-135m")
     model = load_model(folder, "bfloat16", "cpu")
-    first_token, rng = first_token_timer(model), random.Random(0)
-    history = [rng.randrange(10, model.arch.vocab_size) for _ in range(max(c for _, c, _ in PASSES))]
-    first_token(history, "history")  # cached from here on
-    rows, chosen = [], cpu_kernels.torch_flash
-    for label, cached, new in PASSES:
-        times: dict[str, list[float]] = {name: [] for name in PATHS}
-        for i in range(repeats):
-            for name, flag in PATHS.items():
-                cpu_kernels.torch_flash = lambda flag=flag: flag  # what `attention._attend` asks
-                prompt = history[:cached] + [rng.randrange(10, model.arch.vocab_size) for _ in range(new)]
-                times[name].append(first_token(prompt, f"{label}-{name}-{i}"))
-        rows.append({"chunk": label, **{name: statistics.median(t) for name, t in times.items()}})
-    cpu_kernels.torch_flash = chosen
-    return rows
+    chosen = cpu_kernels.torch_flash
+
+    def path(flag: bool) -> Callable[[], None]:
+        def use() -> None:
+            cpu_kernels.torch_flash = lambda: flag  # what `attention._attend` asks
+
+        return use
+
+    try:
+        return first_pass_turns(model, repeats, {name: path(flag) for name, flag in PATHS.items()})
+    finally:
+        cpu_kernels.torch_flash = chosen
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ Prints a table, writes `benchmarks/results/prefill_products{suffix}.{json,png}` 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from prefill_attention import PASSES, first_token_timer, save  # noqa: E402
+from prefill_attention import first_pass_turns, save  # noqa: E402
 
 from cluster.cpu import cpu_kind  # noqa: E402
 from cluster.model import cpu_kernels, prepack  # noqa: E402
@@ -91,20 +91,16 @@ def first_pass_times(model_folder: Path | None, repeats: int) -> list[dict]:
         weights = "auto" if setting == "bfloat16" else setting
         model = load_model(folder, "bfloat16", "cpu", weights, GROUP, prepack_weights="on")
         copies = {m: m.onednn for m in model.layers.modules() if getattr(m, "onednn", None) is not None}
-        first_token, rng = first_token_timer(model), random.Random(0)
-        history = [rng.randrange(10, model.arch.vocab_size) for _ in range(max(c for _, c, _ in PASSES))]
-        first_token(history, "history")
-        for label, cached, new in PASSES:
-            times: dict[str, list[float]] = {"own": [], "packed": []}
-            for i in range(repeats + 1):
-                for name in times:
-                    for m, p in copies.items():
-                        m.onednn = p if name == "packed" else None
-                    prompt = history[:cached] + [rng.randrange(10, model.arch.vocab_size) for _ in range(new)]
-                    t = first_token(prompt, f"{setting}-{label}-{name}-{i}")
-                    if i:  # the first of each is a warm-up
-                        times[name].append(t)
-            rows.append({"setting": setting, "chunk": label, **{k: statistics.median(v) for k, v in times.items()}})
+
+        def use(packed: bool, copies: dict = copies) -> Callable[[], None]:
+            def set_copies() -> None:
+                for m, p in copies.items():
+                    m.onednn = p if packed else None
+
+            return set_copies
+
+        passes = first_pass_turns(model, repeats, {"own": use(False), "packed": use(True)})
+        rows += [{"setting": setting, **r} for r in passes]
     return rows
 
 
