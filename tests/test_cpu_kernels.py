@@ -312,11 +312,12 @@ def _assert_quantised_product(got, x, dense, exact, tol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 40), (64, 1000)])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (30, 128), (7, 40), (64, 1000)])
 def test_skinny_linear_int8_equals_the_product_with_quantised_inputs(dtype, n, k):
     """int8 weights with a scale per row against inputs quantised per block of 32 columns, in integer
     dot products: every row count of a group, several groups, vector widths and a last vector part
-    full (k = 40, 1000), weights split across threads and tiles; the output in the activations' dtype."""
+    full (k = 40, 1000), one row against weight rows four at a time and those left over (k = 128,
+    576), weights split across threads and tiles; the output in the activations' dtype."""
     x, w = _weights(n, k, torch.float32)
     q, scales = quantize_int8(w)
     for rows in [*range(1, 9), 12, 17, SKINNY_MAX_ROWS]:
@@ -333,7 +334,7 @@ def test_skinny_linear_int8_equals_the_product_with_quantised_inputs(dtype, n, k
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (7, 32)])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (300, 576), (30, 128), (7, 32)])
 def test_skinny_linear_int8_with_a_scale_per_block_of_32(dtype, n, k):
     """GGUF's Q8_0 kept as it is: int8 weights with a scale per block of 32 columns of each row
     (k = 96: a last vector with one block), equal to the dequantised weights' product with the
@@ -402,7 +403,8 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
 def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
     """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the product of
     their inputs as the kernels quantise them where the kernels run, else the dequantised product;
-    the kernels run them except in compiled bfloat16 graphs, which keep inductor's products."""
+    the kernels run them except in compiled bfloat16 graphs, which keep inductor's products (int4's
+    always, int8's on a CPU without AMX tiles)."""
     gen = torch.Generator().manual_seed(3)
     assert quant.skinny(dtype) == cpu_kernels.used(), "eager, the int8 kernel runs wherever the kernels do"
     assert quant.skinny(dtype, bits=4) == (cpu_kernels.used() and dtype == torch.float32)
@@ -414,7 +416,7 @@ def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             with torch.inference_mode():
                 for got, graph in ((layer(x), False), (compiled(x), True)):
-                    in_graph = graph and dtype != torch.float32  # compiled bfloat16 graphs keep inductor's
+                    in_graph = graph and dtype != torch.float32 and (bits == 4 or not cpu_kernels.amx())
                     kernel = rows <= INT8_SKINNY_ROWS and quant.skinny(dtype, bits) and not in_graph
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
                     torch.testing.assert_close(got.float(), _reference(layer, x, kernel), rtol=tol, atol=tol * 10)
@@ -516,3 +518,14 @@ def test_dequantize_writes_the_weights_torch_expressions_write(dtype):
         torch.ops.tandem_cpu.dequantize_int8(q, blocks[:, 1:], dtype)
     with pytest.raises(RuntimeError, match=r"scales and minimums \[n, k / group_size\]"):
         torch.ops.tandem_cpu.dequantize_int4(nibbles, group_scales, low, 32, dtype)
+
+
+@pytest.mark.parametrize(("flags", "amx"), [({"avx512_bf16"}, False), ({"avx512_bf16", "amx_bf16"}, True)])
+def test_compiled_bfloat16_int8_graphs_take_the_kernel_where_the_cpu_has_amx_tiles(monkeypatch, flags, amx):
+    import cluster.cpu
+
+    monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert quant.skinny(torch.bfloat16) is (amx and cpu_kernels.used())
+    assert quant.skinny(torch.bfloat16, bits=4) is False

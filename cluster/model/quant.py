@@ -145,10 +145,11 @@ def skinny(dtype: torch.dtype, bits: int = 8) -> bool:
     measured on SmolLM2 steps at batch 1 (A/B in one process):
     - float32 activations, what an AVX2 machine runs: always; torch's quantised products are slow
       there (int8 60.9 against 8.4 ms a step compiled; int4 139.8 against 6.9);
-    - bfloat16, int8: eager (13.9 against 18.5 ms); compiled on a CPU with AMX tiles (8.8 against 10.3
-      ms on an Intel Xeon, where inductor's int8 product reads its weights at 18 GB/s, and the LM head,
-      which it leaves to `torch._weight_int8pack_mm`, at 12), but not elsewhere: on an AMD Zen 4
-      inductor's own is faster in a compiled graph (6.9 against 7.7);
+    - bfloat16, int8: eager (13.9 against 18.5 ms); compiled on a CPU with AMX tiles (7.1-8.9 against
+      9.5-9.7 ms on an Intel Xeon, where inductor's int8 product reads its weights at 18 GB/s, and the
+      LM head, which it leaves to `torch._weight_int8pack_mm`, at 12), but not elsewhere: on an AMD
+      Zen 4 inductor's own was faster in a compiled graph (6.9 against 7.7, before the kernel took
+      one input row against four weight rows at a time);
     - bfloat16, int4: never; torch's int4 product is as fast (6.8 against 6.7 ms compiled, 12.3
       against 12.8 eager; 6.2-6.7 against 7.5-8.5 compiled on the Xeon) and keeps the inputs as they are."""
     if dtype == torch.bfloat16 and (bits == 4 or (not cpu_kernels.amx() and torch.compiler.is_compiling())):
