@@ -367,12 +367,16 @@ def test_skinny_linear_int8_with_a_scale_per_block_of_32(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k", "group"), [(48, 96, 32), (304, 576, 64), (16, 256, 128), (32, 1536, 256)])
+@pytest.mark.parametrize(
+    ("n", "k", "group"), [(48, 96, 32), (144, 576, 32), (304, 576, 64), (16, 256, 128), (32, 1536, 256)]
+)
 def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k, group):
     """4-bit weights two to a byte with a scale and a minimum per group, against inputs quantised
     per block of 32 columns (the minimums' part too): every row count of a
-    group of rows, several groups, each group size, a last vector part full (k = 96, 576), weights
-    split across threads and tiles."""
+    group of rows, several groups, each group size, a last vector part full (k = 96, 576), one row
+    against weight rows four at a time and those a tile leaves over (k = 576: tiles of 113 rows),
+    weights split across threads and tiles; bfloat16 scales and minimums read as they are give what
+    their float32 copies give, to the output's rounding."""
     x, w = _weights(n, k, torch.float32)
     layer = Int4Linear.from_linear(nn.Linear(k, n, bias=False).to(dtype), group)
     q, scales, low = quantize_int4(w, group)
@@ -386,6 +390,9 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
         xs = x[:rows].to(dtype)
         got = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, layer.scales_f32, layer.minimums_f32, group)
         assert got.dtype == dtype and got.shape == (rows, n)
+        if dtype == torch.bfloat16:  # the minimums' sum is ordered differently: equal to bfloat16 rounding
+            as_stored = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, *layer._kernel_scales(), group)
+            torch.testing.assert_close(as_stored.float(), got.float(), rtol=2**-7, atol=1e-5)
         sums = _inputs_as_quantised(xs.float()).view(rows, k // group, group).sum(-1)
         minimums = (sums @ layer.minimums.double().t()).float()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -403,8 +410,8 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
 def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
     """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the product of
     their inputs as the kernels quantise them where the kernels run, else the dequantised product;
-    the kernels run them except in compiled bfloat16 graphs, which keep inductor's products (int4's
-    always, int8's on a CPU without AMX tiles)."""
+    the kernels run them except bfloat16 int4 eager, and compiled bfloat16 graphs on a CPU without
+    AMX tiles, which keep inductor's products."""
     gen = torch.Generator().manual_seed(3)
     assert quant.skinny(dtype) == cpu_kernels.used(), "eager, the int8 kernel runs wherever the kernels do"
     assert quant.skinny(dtype, bits=4) == (cpu_kernels.used() and dtype == torch.float32)
@@ -416,8 +423,9 @@ def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             with torch.inference_mode():
                 for got, graph in ((layer(x), False), (compiled(x), True)):
-                    in_graph = graph and dtype != torch.float32 and (bits == 4 or not cpu_kernels.amx())
-                    kernel = rows <= INT8_SKINNY_ROWS and quant.skinny(dtype, bits) and not in_graph
+                    bf16 = dtype != torch.float32
+                    ours = (not bf16 or bits == 8) if not graph else (not bf16 or cpu_kernels.amx())
+                    kernel = rows <= INT8_SKINNY_ROWS and cpu_kernels.used() and ours
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
                     torch.testing.assert_close(got.float(), _reference(layer, x, kernel), rtol=tol, atol=tol * 10)
         torch._dynamo.reset()
@@ -521,11 +529,14 @@ def test_dequantize_writes_the_weights_torch_expressions_write(dtype):
 
 
 @pytest.mark.parametrize(("flags", "amx"), [({"avx512_bf16"}, False), ({"avx512_bf16", "amx_bf16"}, True)])
-def test_compiled_bfloat16_int8_graphs_take_the_kernel_where_the_cpu_has_amx_tiles(monkeypatch, flags, amx):
+def test_compiled_bfloat16_graphs_take_the_quantised_kernels_where_the_cpu_has_amx_tiles(monkeypatch, flags, amx):
     import cluster.cpu
 
     monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert quant.skinny(torch.bfloat16) is (amx and cpu_kernels.used())
+    assert quant.skinny(torch.bfloat16, bits=4) is (amx and cpu_kernels.used())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager: int8 ours, int4 torch's
+    assert quant.skinny(torch.bfloat16) is cpu_kernels.used()
     assert quant.skinny(torch.bfloat16, bits=4) is False

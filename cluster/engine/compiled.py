@@ -42,7 +42,8 @@ class CompiledDecode:
         # One graph per bucket and model (every instance compiles the same function); keep dynamo
         # from falling back to eager past its limit.
         torch._dynamo.config.recompile_limit += 2 * len(self.buckets)
-        for probe in (cpu_kernels.available, cpu_kernels.used, cpu_kernels.amx):  # the graphs take their answers as given
+        # The graphs take the kernels' answers as given.
+        for probe in (cpu_kernels.available, cpu_kernels.used, cpu_kernels.amx):
             torch.compiler.assume_constant_result(probe)
         self._forward = torch.compile(self._logits, mode="max-autotune", fullgraph=True, dynamic=False)
 
