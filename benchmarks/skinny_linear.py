@@ -13,7 +13,7 @@ both kernels run every matrix once, repeats interleaved; the median time gives t
 read per second, the arithmetic rate and the ratio. `F.linear` here multiplies unpacked weights;
 compiled decode graphs hand torch's products weights prepacked for oneDNN, which is faster from
 about 24 bfloat16 rows (see `cluster.model.cpu_kernels.SKINNY_ROWS`). Prints a table, writes
-`benchmarks/results/skinny_linear.{json,png}`.
+`benchmarks/results/skinny_linear{,_amx,_avx2}.{json,png}` (each kind of CPU its own, `cluster.cpu.results_suffix`).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     int8 = torch.ops.tandem_cpu.skinny_linear_int8
 
     def int4_ours(x, m):  # type: ignore[no-untyped-def]
-        return torch.ops.tandem_cpu.skinny_linear_int4(x, m.nibbles, m.scales_f32, m.minimums_f32, m.group_size)
+        return torch.ops.tandem_cpu.skinny_linear_int4(x, m.nibbles, *m._kernel_scales(), m.group_size)
 
     def int4_torch(x, m):  # type: ignore[no-untyped-def]
         return torch._weight_int4pack_mm_for_cpu(x, m.packed, m.group_size, m.scales_and_zeros)
@@ -132,11 +132,14 @@ def main() -> None:
     for label, dtype, quantised, ours, theirs, row_counts in cases:
         rows_out += measure(label, dtype, quantised, ours, theirs, row_counts, args.layers, args.repeats, gen)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"layers": args.layers, "shapes": SHAPES, "threads": args.threads, "used_up_to": {
+    from cluster.cpu import cpu_kind, results_suffix
+
+    meta = {"cpu": cpu_kind(), "layers": args.layers, "shapes": SHAPES, "threads": args.threads, "used_up_to": {
         str(k).removeprefix("torch."): v for k, v in cpu_kernels.SKINNY_ROWS.items()}}  # fmt: skip
-    (args.out / "skinny_linear.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
-    plot(rows_out, args.out / "skinny_linear.png")
-    print(f"wrote {args.out / 'skinny_linear.json'} and .png")
+    stem = args.out / ("skinny_linear" + results_suffix())  # each kind of CPU its own
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
+    plot(rows_out, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and .png")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -410,8 +410,8 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
 def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
     """`Int8Linear`'s and `Int4Linear`'s few-row products, eager and compiled, equal the product of
     their inputs as the kernels quantise them where the kernels run, else the dequantised product;
-    the kernels run them except bfloat16 int4 eager, and compiled bfloat16 graphs on a CPU without
-    AMX tiles, which keep inductor's products."""
+    the kernels run them except bfloat16 int4 products, and compiled bfloat16 graphs on a CPU
+    without AMX tiles, which keep torch's and inductor's products."""
     gen = torch.Generator().manual_seed(3)
     assert quant.skinny(dtype) == cpu_kernels.used(), "eager, the int8 kernel runs wherever the kernels do"
     assert quant.skinny(dtype, bits=4) == (cpu_kernels.used() and dtype == torch.float32)
@@ -424,7 +424,7 @@ def test_quantised_layers_use_the_kernels_eager_and_in_float32_graphs(dtype):
             with torch.inference_mode():
                 for got, graph in ((layer(x), False), (compiled(x), True)):
                     bf16 = dtype != torch.float32
-                    ours = (not bf16 or bits == 8) if not graph else (not bf16 or cpu_kernels.amx())
+                    ours = not bf16 or (bits == 8 and (not graph or cpu_kernels.amx()))
                     kernel = rows <= INT8_SKINNY_ROWS and cpu_kernels.used() and ours
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
                     torch.testing.assert_close(got.float(), _reference(layer, x, kernel), rtol=tol, atol=tol * 10)
@@ -529,14 +529,13 @@ def test_dequantize_writes_the_weights_torch_expressions_write(dtype):
 
 
 @pytest.mark.parametrize(("flags", "amx"), [({"avx512_bf16"}, False), ({"avx512_bf16", "amx_bf16"}, True)])
-def test_compiled_bfloat16_graphs_take_the_quantised_kernels_where_the_cpu_has_amx_tiles(monkeypatch, flags, amx):
+def test_compiled_bfloat16_int8_graphs_take_the_kernel_where_the_cpu_has_amx_tiles(monkeypatch, flags, amx):
     import cluster.cpu
 
     monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert quant.skinny(torch.bfloat16) is (amx and cpu_kernels.used())
-    assert quant.skinny(torch.bfloat16, bits=4) is (amx and cpu_kernels.used())
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager: int8 ours, int4 torch's
-    assert quant.skinny(torch.bfloat16) is cpu_kernels.used()
     assert quant.skinny(torch.bfloat16, bits=4) is False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager: int8 ours wherever the kernels run
+    assert quant.skinny(torch.bfloat16) is cpu_kernels.used()

@@ -150,13 +150,11 @@ def skinny(dtype: torch.dtype, bits: int = 8) -> bool:
       LM head, which it leaves to `torch._weight_int8pack_mm`, at 12), but not elsewhere: on an AMD
       Zen 4 inductor's own was faster in a compiled graph (6.9 against 7.7, before the kernel took
       one input row against four weight rows at a time);
-    - bfloat16, int4: compiled on a CPU with AMX tiles (a GGUF file's Q4_1 kept, on the Xeon: the
-      four products of 30 layers 3.2 against 3.6 ms, whole steps 0.955x in the median of seven
-      A/B pairs), where the kernel reads the bfloat16 scales as they are; elsewhere torch's int4
-      product, which was as fast (6.8 against 6.7 ms compiled on a Zen 4, 12.3 against 12.8 eager)
-      and keeps the inputs as they are, and eager on the Xeon too (12.4-13.6 against 13.2-16.7 ms)."""
-    compiled = torch.compiler.is_compiling()
-    if dtype == torch.bfloat16 and not (compiled and cpu_kernels.amx()) and (bits == 4 or compiled):
+    - bfloat16, int4: never; torch's int4 product is as fast at one row and faster at more (on the
+      Xeon, `benchmarks/skinny_linear.py`: 17.1 against 17.0 GB/s at one row, 1.13-1.23x faster
+      at 2 to 16; 6.8 against 6.7 ms a step compiled, 12.3 against 12.8 eager on a Zen 4), and keeps
+      the inputs as they are."""
+    if dtype == torch.bfloat16 and (bits == 4 or (torch.compiler.is_compiling() and not cpu_kernels.amx())):
         return False
     return cpu_kernels.used()
 
