@@ -149,7 +149,7 @@ def skinny(dtype: torch.dtype, bits: int = 8) -> bool:
       9.5-9.7 ms on an Intel Xeon, where inductor's int8 product reads its weights at 18 GB/s, and the
       LM head, which it leaves to `torch._weight_int8pack_mm`, at 12), but not elsewhere: on an AMD
       Zen 4 inductor's own was faster in a compiled graph (6.9 against 7.7, before the kernel took
-      one input row against four weight rows at a time);
+      up to four input rows against four weight rows at a time);
     - bfloat16, int4: never; torch's int4 product is as fast at one row and faster at more (on the
       Xeon, `benchmarks/skinny_linear.py`: 17.1 against 17.0 GB/s at one row, 1.13-1.23x faster
       at 2 to 16; 6.8 against 6.7 ms a step compiled, 12.3 against 12.8 eager on a Zen 4), and keeps
