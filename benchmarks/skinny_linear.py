@@ -116,7 +116,7 @@ def main() -> None:
     int8 = torch.ops.tandem_cpu.skinny_linear_int8
 
     def int4_ours(x, m):  # type: ignore[no-untyped-def]
-        return torch.ops.tandem_cpu.skinny_linear_int4(x, m.nibbles, *m._kernel_scales(), m.group_size)
+        return torch.ops.tandem_cpu.skinny_linear_int4(x, m.nibbles, m.scales_f32, m.minimums_f32, m.group_size)
 
     def int4_torch(x, m):  # type: ignore[no-untyped-def]
         return torch._weight_int4pack_mm_for_cpu(x, m.packed, m.group_size, m.scales_and_zeros)

@@ -375,8 +375,8 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
     per block of 32 columns (the minimums' part too): every row count of a
     group of rows, several groups, each group size, a last vector part full (k = 96, 576), one row
     against weight rows four at a time and those a tile leaves over (k = 576: tiles of 113 rows),
-    weights split across threads and tiles; bfloat16 scales and minimums read as they are give what
-    their float32 copies give, to the output's rounding."""
+    weights split across threads and tiles; bfloat16 scales and minimums give what their float32
+    copies give."""
     x, w = _weights(n, k, torch.float32)
     layer = Int4Linear.from_linear(nn.Linear(k, n, bias=False).to(dtype), group)
     q, scales, low = quantize_int4(w, group)
@@ -390,8 +390,8 @@ def test_skinny_linear_int4_equals_the_product_with_quantised_inputs(dtype, n, k
         xs = x[:rows].to(dtype)
         got = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, layer.scales_f32, layer.minimums_f32, group)
         assert got.dtype == dtype and got.shape == (rows, n)
-        if dtype == torch.bfloat16:  # the minimums' sum is ordered differently: equal to bfloat16 rounding
-            as_stored = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, *layer._kernel_scales(), group)
+        if dtype == torch.bfloat16:  # the scales as the layer stores them, widened by the op
+            as_stored = torch.ops.tandem_cpu.skinny_linear_int4(xs, layer.nibbles, layer.scales, layer.minimums, group)
             torch.testing.assert_close(as_stored.float(), got.float(), rtol=2**-7, atol=1e-5)
         sums = _inputs_as_quantised(xs.float()).view(rows, k // group, group).sum(-1)
         minimums = (sums @ layer.minimums.double().t()).float()

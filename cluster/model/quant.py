@@ -210,13 +210,6 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = torch.stack([self.scales.t(), zeros.t()], dim=-1).contiguous()  # [K / g, N, 2]
         self.scales_f32, self.minimums_f32 = self.scales.float().contiguous(), self.minimums.float().contiguous()
 
-    def _kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scales and minimums `tandem_cpu::skinny_linear_int4` reads: float32 and bfloat16 as they
-        are (bfloat16 is a fifth fewer bytes a step with groups of 32), float16 as float32 copies."""
-        if self.scales.dtype in (torch.float32, torch.bfloat16):
-            return self.scales, self.minimums
-        return self.scales_f32, self.minimums_f32
-
     def dense(self) -> torch.Tensor:
         """The weights dequantised, [N, K] in the activations' dtype (in float32, rounded once)."""
         if self.nibbles.device.type == "cpu" and cpu_kernels.used():  # one pass over the weights
@@ -236,7 +229,9 @@ class Int4Linear(nn.Module):
         elif rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
         elif rows <= INT4_SKINNY_ROWS and self.nibbles.device.type == "cpu" and skinny(flat.dtype, bits=4):
-            y = torch.ops.tandem_cpu.skinny_linear_int4(flat, self.nibbles, *self._kernel_scales(), self.group_size)
+            y = torch.ops.tandem_cpu.skinny_linear_int4(
+                flat, self.nibbles, self.scales_f32, self.minimums_f32, self.group_size
+            )
         else:
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -145,42 +144,15 @@ inline float dot_int8(const int8_t* q, const float* scale, const int8_t* w, cons
 
 // The same over 4-bit values from byte b0 (a block's first): `qe`, `qo` the even and odd inputs,
 // `s` the weight row's group scales.
-template <typename S>
-inline float dot_int4(const int8_t* qe, const int8_t* qo, const float* scale, const uint8_t* row, const S* s,
+inline float dot_int4(const int8_t* qe, const int8_t* qo, const float* scale, const uint8_t* row, const float* s,
                       int64_t b0, int64_t half, int64_t group) {
   float sum = 0.f;
   for (int64_t b = b0; b < half; b += kBlock / 2) {
     int32_t dot = 0;
     for (int64_t i = b; i < b + kBlock / 2; ++i) dot += qe[i] * (row[i] & 0xF) + qo[i] * (row[i] >> 4);
-    sum += widen(s[2 * b / group]) * scale[2 * b / kBlock] * static_cast<float>(dot);
+    sum += s[2 * b / group] * scale[2 * b / kBlock] * static_cast<float>(dot);
   }
   return sum;
 }
-
-// <a, b> over n elements, a float32 or bfloat16 (widened as it is read), b float32.
-template <typename S>
-inline float dot_widened(const S* a, const float* b, int64_t n) {
-  if constexpr (std::is_same_v<S, float>) {
-    return dot_f32(a, b, n);
-  } else {
-    float sum = 0.f;
-    int64_t i = 0;
-#if defined(TANDEM_SIMD)
-    simd::vfloat acc = simd::vzero();
-    for (; i + simd::kLanes <= n; i += simd::kLanes) acc = simd::vfmadd(simd::vload(a + i), simd::vload(b + i), acc);
-    sum = simd::vsum(acc);
-#endif
-    for (; i < n; ++i) sum += widen(a[i]) * b[i];
-    return sum;
-  }
-}
-
-#if defined(__AVX512VNNI__)
-// Up to sixteen scales (the lanes in `m`), float32 or bfloat16, as float32 lanes.
-inline __m512 load_scales(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_scales(const c10::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-#endif
 
 }  // namespace tandem::quant

@@ -48,7 +48,6 @@ namespace {
 
 using namespace tandem::quant;
 using namespace tandem::skinny;
-using tandem::widen;
 
 // y[m * ldy + n] = <x[m], w[n]> for n in [n0, n1), x as quantised (`a`, from row `m0`), times the
 // weights' scales: one a row (`wscale[n]`), or with `Blocks` one a block of 32 columns
@@ -177,11 +176,9 @@ void product_int8(const Quantised& a, int64_t m0, const int8_t* w, const float* 
 // y[m * ldy + n] = sum over groups g of scale[n, g] * <x[m], q[n]> over g + low[n, g] * xsum[m, g],
 // for n in [n0, n1): `nibbles` rows of k 4-bit values two to a byte, x as quantised (`a`, split into
 // even and odd columns, from row `m0`), `xsum` [rows, k / group] the inputs' exact sums over each group.
-// The scales and minimums are float32, or bfloat16 as a bfloat16 model keeps them (a fifth fewer
-// bytes a step than float32 copies with groups of 32).
-template <int Rows, typename S, typename Y>
-void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8_t* nibbles, const S* wscale,
-                  const S* low, int64_t group, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
+template <int Rows, typename Y>
+void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8_t* nibbles, const float* wscale,
+                  const float* low, int64_t group, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
   const int64_t k = a.k, half = k / 2, groups = k / group;
   const int group_shift = __builtin_ctzll(group);  // a power of two: the group of a column is a shift, not a division
   const int8_t* q = a.q.data() + m0 * k;
@@ -208,10 +205,10 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
   int64_t n = n0;
 #if defined(__AVX512VNNI__)
   // A vector's group scales: one for all its lanes, or (groups of 32 and 64) spread over them.
-  const auto group_scales = [&](const S* s, int64_t b) TANDEM_INLINE {
+  const auto group_scales = [&](const float* s, int64_t b) TANDEM_INLINE {
     const int64_t g = (2 * b) >> group_shift;
-    return group >= 128 ? _mm512_set1_ps(widen(s[g]))
-                        : _mm512_permutexvar_ps(group_of_lane, load_scales(s + g, lanes_from((2 * (half - b)) >> group_shift)));
+    return group >= 128 ? _mm512_set1_ps(s[g])
+                        : _mm512_permutexvar_ps(group_of_lane, _mm512_maskz_loadu_ps(lanes_from((2 * (half - b)) >> group_shift), s + g));
   };
   if (Rows == 1) {
     // One input row (decode at batch 1): four weight rows at a time share the loads of the inputs
@@ -232,14 +229,14 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
         }
       }
       for (int j = 0; j < 4; ++j)
-        y[n + j] = static_cast<Y>(_mm512_reduce_add_ps(acc[j]) + dot_widened(low + (n + j) * groups, xsum, groups));
+        y[n + j] = static_cast<Y>(_mm512_reduce_add_ps(acc[j]) + dot_f32(low + (n + j) * groups, xsum, groups));
     }
   }
 #endif
   for (; n < n1; ++n) {
     const uint8_t* row = nibbles + n * half;
-    const S* s = wscale + n * groups;
-    const S* l = low + n * groups;
+    const float* s = wscale + n * groups;
+    const float* l = low + n * groups;
     float total[Rows];
     for (int m = 0; m < Rows; ++m) total[m] = 0.f;
 #if defined(__AVX512VNNI__)
@@ -268,8 +265,8 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b));
       const __m256i even = _mm256_and_si256(wv, four_bits), odd = _mm256_and_si256(_mm256_srli_epi16(wv, 4), four_bits);
       const int64_t g = (2 * b) >> group_shift;
-      const __m256 gs = group >= 64 ? _mm256_set1_ps(widen(s[g]))
-                                    : _mm256_set_m128(_mm_set1_ps(widen(s[g + 1])), _mm_set1_ps(widen(s[g])));
+      const __m256 gs = group >= 64 ? _mm256_broadcast_ss(s + g)
+                                    : _mm256_set_m128(_mm_broadcast_ss(s + g + 1), _mm_broadcast_ss(s + g));
       for (int m = 0; m < Rows; ++m) {
         const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * k + b));
         const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * k + half + b));
@@ -284,7 +281,7 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
     for (int m = 0; m < Rows; ++m) total[m] = sum8(_mm256_add_ps(first[m], second[m]));
 #endif
     for (int m = 0; m < Rows; ++m) {
-      const float minimums = dot_widened(l, xsum + m * groups, groups);
+      const float minimums = dot_f32(l, xsum + m * groups, groups);
       const float tail = dot_int4(q + m * k, q + m * k + half, scale + m * a.blocks, row, s, vector_end, half, group);
       y[m * ldy + n] = static_cast<Y>(total[m] + tail + minimums);
     }
@@ -342,19 +339,12 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
     for (int64_t b = 0; b < a.blocks; ++b) group_sums[m * groups + b * kBlock / group_size] += a.sums[m * a.blocks + b];
   const float* xs = group_sums.data();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const auto run = [&](const auto* sp, const auto* lp) {
-    over_weight_rows(y, qp, std::max<int64_t>(1, k / 2), "skinny_linear_int4",
-                     [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
-                       product_int4<decltype(r)::value>(a, m, xs, qp, sp, lp, group_size, t0, t1, yp + m * n, n);
-                     });
-  };
-  if (scales.scalar_type() == at::kBFloat16 && minimums.scalar_type() == at::kBFloat16) {  // read as they are
-    const at::Tensor sc = scales.contiguous(), lc = minimums.contiguous();
-    run(sc.data_ptr<c10::BFloat16>(), lc.data_ptr<c10::BFloat16>());
-  } else {
-    std::vector<float> scale_copy, low_copy;
-    run(as_float(scales, scale_copy), as_float(minimums, low_copy));
-  }
+  std::vector<float> scale_copy, low_copy;
+  const float *sp = as_float(scales, scale_copy), *lp = as_float(minimums, low_copy);
+  over_weight_rows(y, qp, std::max<int64_t>(1, k / 2), "skinny_linear_int4",
+                   [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
+                     product_int4<decltype(r)::value>(a, m, xs, qp, sp, lp, group_size, t0, t1, yp + m * n, n);
+                   });
   return y;
 }
 
