@@ -235,11 +235,15 @@ def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
     import sys
     import threading
 
-    threads = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.name != "exit-watchdog"]
+    threads = [t for t in others if not t.daemon]
     children = multiprocessing.active_children()
     if threads or children:
         names = [t.name for t in threads] + [f"process {p.name} (pid {p.pid})" for p in children]
         sys.stderr.write(f"\nthe suite left running: {', '.join(names)}\n")
+    daemons = [t.name for t in others if t.daemon]
+    if daemons:  # they run on while Python ends; with -X faulthandler a crash among them prints its stacks
+        sys.stderr.write(f"\ndaemon threads still running at exit: {', '.join(daemons)}\n")
     for child in children:
         child.kill()
         child.join(5)
