@@ -46,7 +46,7 @@ test: $(STAMP)
 	-command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } || true
 	$(PY) -m compileall -q $(SOURCES)
-	$(TEST_ENV) $(PY) -X faulthandler -m pytest $(PYTEST_WORKERS)
+	$(TEST_ENV) $(PY) -X faulthandler scripts/run_suite.py $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
