@@ -51,11 +51,10 @@ constexpr int64_t kMaxVectorDim = 256;  // head_dim of the vector paths
 #if defined(__AVX512BF16__)
 constexpr int64_t kTile = 16;  // positions scored together, one score lane each
 
-// Sixteen vectors (rows of 16 floats) -> one: lane j holds the sum of row j. Pairs, then quads, are
-// summed within each 128-bit lane, then the four lanes are summed across.
-inline __m512 sum16(const float* rows) {
-  __m512 v[16], pairs[8], quads[4];
-  for (int j = 0; j < 16; ++j) v[j] = _mm512_loadu_ps(rows + 16 * j);
+// Sixteen vectors -> one: lane j holds the sum of v[j]'s lanes. Pairs, then quads, are summed within
+// each 128-bit lane, then the four lanes are summed across.
+inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4];
   for (int j = 0; j < 8; ++j)
     pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
   for (int j = 0; j < 4; ++j) {
@@ -68,51 +67,35 @@ inline __m512 sum16(const float* rows) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
 }
 
-// The first 64-byte aligned element at or after p (the buffer holds 64 bytes of slack).
-template <typename T>
-inline T* aligned64(T* p) {
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
-}
-
-// `score` for bfloat16 keys: pair products of the raw rows (AVX512-BF16), which need no widening.
-// Each query head's product vectors of sixteen positions are summed across together (`sum16`).
-inline void score_bf16(const PlainRows<c10::BFloat16>& keys, const int64_t* rows, int64_t n, const float* qf,
-                       int64_t kv_heads, int64_t groups, int64_t dim, float scale, float* scores, int64_t stride) {
-  const int64_t vectors = dim / 32, heads = kv_heads * groups, position_bytes = kv_heads * keys.stride_bytes();
-  // The queries back in bfloat16 (exact: they came from it), 32 to a vector. Plain, aligned by
-  // hand: a std::vector of vector types does not keep their 64-byte alignment.
-  std::vector<uint16_t> qb_store(heads * dim + 31);
-  uint16_t* qb = aligned64(qb_store.data());
-  for (int64_t v = 0; v < heads * vectors; ++v)
-    _mm512_storeu_si512(&qb[32 * v], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 32 * v + 16),
-                                                                 _mm512_loadu_ps(qf + 32 * v)));
-  std::vector<float> dot_store(heads * kTile * 16 + 15);  // per query head, a row of products per position
-  float* dots = aligned64(dot_store.data());
-  __m512bh k[kMaxVectorDim / 32];
+// `score` for bfloat16 keys with head_dim 32 * Vectors: pair products of the raw rows (AVX512-BF16),
+// which need no widening. A tile of sixteen positions at a time, one query head after another: the
+// sixteen positions' products are sixteen independent sums (a query head's products one after another
+// would wait on each other's latency), and `sum16` turns them into the tile's sixteen scores at once.
+// The tile's key rows stay in the first-level cache for the query heads that share them.
+template <int Vectors>
+void score_bf16(const PlainRows<c10::BFloat16>& keys, const int64_t* rows, int64_t n, const float* qf,
+                int64_t kv_heads, int64_t groups, float scale, float* scores, int64_t stride) {
+  constexpr int64_t dim = 32 * Vectors;
+  const int64_t position_bytes = kv_heads * keys.stride_bytes();
   const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < std::min(n, kTile); ++i) prefetch_row(keys, rows[i], position_bytes);
   for (int64_t i0 = 0; i0 < n; i0 += kTile) {
     const int64_t m = std::min(kTile, n - i0);
-    for (int64_t p = 0; p < kTile; ++p) {
-      if (p >= m) {
-        for (int64_t qh = 0; qh < heads; ++qh) _mm512_storeu_ps(&dots[(qh * kTile + p) * 16], _mm512_setzero_ps());
-        continue;
-      }
-      const int64_t i = i0 + p;
-      if (i + kPrefetchAhead < n) prefetch_row(keys, rows[i + kPrefetchAhead], position_bytes);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const c10::BFloat16* r = keys.row(rows[i] + h);
-        for (int64_t v = 0; v < vectors; ++v) k[v] = (__m512bh)_mm512_loadu_si512(r + 32 * v);
-        for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
-          const uint16_t* qv = &qb[qh * dim];
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t v = 0; v < vectors; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qv + 32 * v), k[v]);
-          _mm512_storeu_ps(&dots[(qh * kTile + p) * 16], a);
+    for (int64_t i = i0 + kTile; i < std::min(n, i0 + 2 * kTile); ++i) prefetch_row(keys, rows[i], position_bytes);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t qh = h * groups; qh < (h + 1) * groups; ++qh) {
+        __m512bh q[Vectors];  // the query back in bfloat16 (exact: it came from it)
+        for (int v = 0; v < Vectors; ++v)
+          q[v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + qh * dim + 32 * v + 16), _mm512_loadu_ps(qf + qh * dim + 32 * v));
+        __m512 dots[kTile];
+        for (int p = 0; p < kTile; ++p) {  // past the end, the last position again (its score is not stored)
+          const c10::BFloat16* r = keys.row(rows[i0 + std::min<int64_t>(p, m - 1)] + h);
+          dots[p] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(r));
+          for (int v = 1; v < Vectors; ++v) dots[p] = _mm512_dpbf16_ps(dots[p], q[v], (__m512bh)_mm512_loadu_si512(r + 32 * v));
         }
+        const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
+        _mm512_mask_storeu_ps(scores + qh * stride + i0, lanes, _mm512_mul_ps(sum16(dots), scale16));
       }
-    }
-    const __mmask16 lanes = static_cast<__mmask16>((1u << m) - 1);
-    for (int64_t qh = 0; qh < heads; ++qh)
-      _mm512_mask_storeu_ps(scores + qh * stride + i0, lanes, _mm512_mul_ps(sum16(&dots[qh * kTile * 16]), scale16));
   }
 }
 #endif
@@ -155,9 +138,10 @@ void score(const Rows& keys, const int64_t* rows, int64_t n, const float* qf, in
            int64_t dim, float scale, float* scores, int64_t stride) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<Rows, PlainRows<c10::BFloat16>>) {
-    if (dim % 32 == 0 && dim <= kMaxVectorDim) {
-      score_bf16(keys, rows, n, qf, kv_heads, groups, dim, scale, scores, stride);
-      return;
+    switch (dim) {
+      case 64: return score_bf16<2>(keys, rows, n, qf, kv_heads, groups, scale, scores, stride);
+      case 128: return score_bf16<4>(keys, rows, n, qf, kv_heads, groups, scale, scores, stride);
+      case 256: return score_bf16<8>(keys, rows, n, qf, kv_heads, groups, scale, scores, stride);
     }
   }
 #endif
