@@ -69,6 +69,12 @@ class ModelConfig(_Part):
         "oneDNN's layout for prompt products of more than 16 rows, 1.2-1.8x faster there, at the cost of that copy's "
         "memory. auto: bfloat16 models on a CPU with AMX tiles; on: wherever oneDNN runs the dtype; off: never.",
     )
+    huge_pages: Literal["auto", "off"] = Field(
+        default="auto",
+        description="CPU: move the model's tensors, once at load, into memory Linux backs with 2 MB pages (its "
+        "transparent huge pages, madvise or always); a decode step streams every weight, and through 4 KB pages it "
+        "looks up a translation every 4 KB. auto: wherever the kernel offers them; off: where torch put them.",
+    )
     compile_buckets: tuple[int, ...] = Field(
         default=(),
         description="Decode workers: row counts (sequences, plus draft tokens to verify) of the steps compiled with "

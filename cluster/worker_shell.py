@@ -259,7 +259,6 @@ def load_model_and_tokenizer(m: ModelConfig) -> tuple[CausalLM, Tokenizer]:
     """The configured model and its tokenizer, as both workers load them. A `.gguf` file becomes its
     imported folder here, once, and both read that folder."""
     folder = model_folder(m.path)
-    model = load_model(
-        folder, m.dtype, m.device, m.weight_dtype, m.weight_group_size, m.quantize_lm_head, m.prepack_weights
-    )
+    quant = (m.weight_dtype, m.weight_group_size, m.quantize_lm_head)
+    model = load_model(folder, m.dtype, m.device, *quant, m.prepack_weights, m.huge_pages)
     return model, Tokenizer(folder)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from cluster.model import prepack
+from cluster.model import hugepages, prepack
 from cluster.model.arch import ModelArch, ModelFormatError, model_dir
 from cluster.model.causal_lm import CausalLM, rope_inv_freq
 from cluster.model.quant import quantize, quantized_skeleton
@@ -100,11 +100,13 @@ def load_model(
     group_size: int = 128,
     quantize_lm_head: bool = True,
     prepack_weights: str = "auto",
+    huge_pages: str = "auto",
 ) -> CausalLM:
     """Builds `CausalLM` from a model folder's config and weights, in `dtype` on `device`; with
     `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.model.quant`). A folder written
     by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's).
-    Its layers' weights are packed for prompt products as `prepack_weights` says (`cluster.model.prepack`).
+    Its layers' weights are packed for prompt products as `prepack_weights` says (`cluster.model.prepack`),
+    and its large tensors moved onto huge pages as `huge_pages` says (`cluster.model.hugepages`).
     A `.gguf` file is refused: pass it through `cluster.model.gguf.model_folder` first."""
     folder = model_dir(folder)
     if dtype not in DTYPES:
@@ -126,6 +128,8 @@ def load_model(
         load_weights(model, folder)
         quantize(model, weight_dtype, group_size, quantize_lm_head)
     model.eval().requires_grad_(False)
+    if hugepages.wanted(huge_pages, device):
+        hugepages.rehome(model)
     if prepack.wanted(prepack_weights, DTYPES[dtype], device):
         prepack.prepack(model)
     return model
