@@ -229,8 +229,8 @@ def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
 
 
 def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
-    """Names what the suite left running (threads that are not daemons, child processes) and stops the
-    children."""
+    """Names what the suite left running (threads that are not daemons, child processes, then the daemon
+    threads) and stops the children."""
     import multiprocessing
     import sys
     import threading

@@ -1,11 +1,13 @@
-"""A CPU model's large tensors on huge pages.
+"""A CPU model's tensors on huge pages.
 
 A decode step streams every weight once. Through 4 KB pages, SmolLM2-135M's 270 MB of bfloat16
 weights are 66,000 pages a step, each a translation the processor looks up; on 2 MB pages they are
 135. Linux backs an anonymous mapping with 2 MB pages when its transparent huge pages are on
 (`always`, or `madvise` for a mapping that asks: `madvise(MADV_HUGEPAGE)`), which torch's allocator
 does not ask for unless `THP_MEM_ALLOC_ENABLE` is set before its first allocation. `rehome` moves a
-module's large tensors, once, into one such mapping, whatever the process's environment.
+module's tensors of a page or more, once, into one such mapping, whatever the process's environment.
+On an Intel Xeon with AMX (2 cores) a 256 MB read went from 22-23 to 28-29 GB/s, and a bfloat16
+SmolLM2 decode step from 17.2 to 14.9 ms (docs/performance.md).
 
 `ModelConfig.huge_pages` chooses (auto: wherever the kernel offers them; off: never).
 """

@@ -106,7 +106,7 @@ def load_model(
     `weight_dtype` int8 or int4 its linear layers are quantised (`cluster.model.quant`). A folder written
     by `save_quantized` loads as it was saved (its `weight_dtype` must be "auto" or the folder's).
     Its layers' weights are packed for prompt products as `prepack_weights` says (`cluster.model.prepack`),
-    and its large tensors moved onto huge pages as `huge_pages` says (`cluster.model.hugepages`).
+    and its tensors of a page or more moved onto huge pages as `huge_pages` says (`cluster.model.hugepages`).
     A `.gguf` file is refused: pass it through `cluster.model.gguf.model_folder` first."""
     folder = model_dir(folder)
     if dtype not in DTYPES:
