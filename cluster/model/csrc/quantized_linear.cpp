@@ -28,8 +28,8 @@
 // inputs, as llama.cpp's Q4_1 with Q8_1 inputs computes it.
 //
 // The CPU implementations of `tandem_cpu::skinny_linear_int8` and `_int4`, which
-// `cluster/model/cpu_kernels.py` defines, builds and loads (their weights dequantised for a prompt's
-// products: `dequantize.cpp`).
+// `cluster/model/cpu_kernels.py` defines, builds and loads, with `dequantize_int8` and `_int4`
+// (`dequantize.h`): their weights written out dense for a prompt's products.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dequantize.h"
 #include "quantise.h"
 #include "skinny.h"
 #include "vec.h"
@@ -353,4 +354,6 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, co
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("skinny_linear_int8", &skinny_linear_int8);
   m.impl("skinny_linear_int4", &skinny_linear_int4);
+  m.impl("dequantize_int8", &tandem::dequant::dequantize_int8);
+  m.impl("dequantize_int4", &tandem::dequant::dequantize_int4);
 }

@@ -1,12 +1,13 @@
 // Quantised weights written out dense, for a prompt's products (`cluster.model.quant`'s `dense`):
-// `tandem_cpu::dequantize_int8` and `_int4`, which `cluster/model/cpu_kernels.py` defines, builds and
-// loads. The layouts are `quantized_linear.cpp`'s: int8 values with a scale a row or a block of 32
+// `tandem_cpu::dequantize_int8` and `_int4`, which `quantized_linear.cpp` registers (one translation
+// unit: each one more compiles the ATen headers again, for every instruction set). The layouts are `quantized_linear.cpp`'s: int8 values with a scale a row or a block of 32
 // columns, and 4-bit values two to a byte (the even column in the low nibble) with a scale and a
 // minimum a group of columns.
 
+#pragma once
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -16,7 +17,7 @@
 #include "quantise.h"
 #include "skinny.h"
 
-namespace {
+namespace tandem::dequant {
 
 using namespace tandem::quant;
 using namespace tandem::skinny;
@@ -44,7 +45,7 @@ at::Tensor dequantized(int64_t n, int64_t k, at::ScalarType dtype, Body&& body) 
   return out;
 }
 
-at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scales, at::ScalarType dtype) {
+inline at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scales, at::ScalarType dtype) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar, "dequantize_int8 takes int8 weights [n, k]");
   const int64_t n = weight.size(0), k = weight.size(1);
   const bool blocks = scales.dim() == 2;
@@ -62,7 +63,7 @@ at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& scales, a
   });
 }
 
-at::Tensor dequantize_int4(const at::Tensor& nibbles, const at::Tensor& scales, const at::Tensor& minimums,
+inline at::Tensor dequantize_int4(const at::Tensor& nibbles, const at::Tensor& scales, const at::Tensor& minimums,
                            int64_t group_size, at::ScalarType dtype) {
   TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte, "dequantize_int4 takes uint8 nibbles [n, k / 2]");
   const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
@@ -89,9 +90,4 @@ at::Tensor dequantize_int4(const at::Tensor& nibbles, const at::Tensor& scales, 
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("dequantize_int8", &dequantize_int8);
-  m.impl("dequantize_int4", &dequantize_int4);
-}
+}  // namespace tandem::dequant
