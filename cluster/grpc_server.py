@@ -34,6 +34,7 @@ class Server:
     server: grpc.Server
     port: int
     health: health.HealthServicer
+    executor: futures.ThreadPoolExecutor | None = None  # the calls' threads, which grpc's stop leaves running
 
     @property
     def address(self) -> str:
@@ -46,6 +47,8 @@ class Server:
     def stop(self, grace: float | None = None) -> None:
         self.set_serving(False)
         self.server.stop(grace)
+        if self.executor is not None:  # calls under way finish; the idle threads end
+            self.executor.shutdown(wait=False)
 
 
 def start_server(
@@ -60,8 +63,9 @@ def start_server(
     """Starts a server; `add_services(server)` registers the role's services and returns their full names.
     `interceptors` (None entries skipped) see every call first: authentication. With `credentials`
     the port speaks TLS only."""
+    executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grpc-call")
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers),
+        executor,
         options=[*message_options(max_message_bytes), *extra_options],
         interceptors=[i for i in interceptors if i is not None],
     )
@@ -73,7 +77,7 @@ def start_server(
     if port == 0:
         raise OSError(f"could not bind a gRPC server to {address}")
     server.start()
-    result = Server(server, port, checker)
+    result = Server(server, port, checker, executor)
     result.set_serving(True)
     return result
 
