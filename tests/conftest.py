@@ -242,7 +242,7 @@ def pytest_unconfigure(config):  # type: ignore[no-untyped-def]
         names = [t.name for t in threads] + [f"process {p.name} (pid {p.pid})" for p in children]
         sys.stderr.write(f"\nthe suite left running: {', '.join(names)}\n")
     daemons = [t.name for t in others if t.daemon]
-    if daemons:  # they run on while Python ends; with -X faulthandler a crash among them prints its stacks
+    if daemons:  # they run until the process ends (scripts/run_suite.py ends it without finalization)
         sys.stderr.write(f"\ndaemon threads still running at exit: {', '.join(daemons)}\n")
     for child in children:
         child.kill()
