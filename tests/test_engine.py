@@ -219,3 +219,30 @@ def test_compiled_decode_matches_eager(llama, kv_dtype):
         for (_, a), (_, b) in zip(compiled[rid], eager[rid], strict=True):
             assert a == pytest.approx(b, abs=tol)
     assert compiled_engine.scheduler.blocks.num_free_blocks == compiled_engine.num_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["auto", "int8", "int4"])
+def test_compiled_bfloat16_decode_step_matches_eager(hf_models, weights):
+    """A compiled bfloat16 decode step (its graph driven from C++ on CPU) gives the eager step's logits,
+    with plain, int8 and int4 weights: the kernels' calls inside the graph take the eager calls' inputs."""
+    from cluster.engine.compiled import CompiledDecode
+    from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
+
+    folder, _ = hf_models["llama"]
+    model = load_model(folder, "bfloat16", weight_dtype=weights, group_size=32)
+    arch, block_size = model.arch, 4
+    torch.manual_seed(0)
+    kv = allocate_kv_cache(arch.num_layers, 24, block_size, arch.num_kv_heads, arch.head_dim, torch.bfloat16)
+    for k, v in kv:  # cached context the new tokens attend to
+        k.normal_(), v.normal_()
+    chunks = [SeqChunk(tuple(range(4 * i, 4 * i + 4)), 5 + 3 * i, 1) for i in range(3)]
+    ids = [7, 100, 250]
+    compiled = CompiledDecode(model, (4,), block_size, scratch_block=23)
+    got = compiled(ids, chunks, kv)
+    meta = build_attention_metadata(chunks, block_size, model.windows, "cpu")
+    with torch.inference_mode():
+        want = model.compute_logits(model(torch.tensor(ids), meta.positions, kv, meta))
+    assert compiled.steps == 1
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.0)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
