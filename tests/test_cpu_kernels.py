@@ -539,3 +539,79 @@ def test_compiled_bfloat16_int8_graphs_take_the_kernel_where_the_cpu_has_amx_til
     assert quant.skinny(torch.bfloat16, bits=4) is False
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager: int8 ours wherever the kernels run
     assert quant.skinny(torch.bfloat16) is cpu_kernels.used()
+
+
+def _rms_norm_torch(x, weight, eps):  # type: ignore[no-untyped-def]
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, dim", [(1, 576), (5, 72), (72, 576), (3, 7)])
+def test_elementwise_steps_equal_torchs_ops(dtype, rows, dim):
+    """RMSNorm, silu(gate) * up and the rotary embedding in one pass each give what torch's ops give,
+    rounded where they round: the rotary embedding exactly in 16-bit dtypes (products and a sum, each
+    rounded), the others to the dtype's last bit (sums and exp in another order)."""
+    gen = torch.Generator().manual_seed(rows * dim)
+    x, weight = torch.randn(rows, dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype)
+    torch.testing.assert_close(torch.ops.tandem_cpu.rms_norm(x, weight, 1e-5), _rms_norm_torch(x, weight, 1e-5))
+    gate_up = (4 * torch.randn(rows, 2 * dim, generator=gen)).to(dtype)
+    gate, up = gate_up.split(dim, dim=-1)
+    torch.testing.assert_close(torch.ops.tandem_cpu.silu_mul(gate_up), F.silu(gate) * up)
+    heads, head_dim = 3, 2 * (dim // 6) or 2
+    fused = torch.randn(rows, (heads + 2) * head_dim, generator=gen).to(dtype)
+    q = fused[:, : heads * head_dim].view(rows, heads, head_dim)  # a view of a fused projection's columns
+    cos, sin = (torch.randn(rows, 1, head_dim, generator=gen).to(dtype) for _ in range(2))
+    want = q * cos + q.roll(head_dim // 2, dims=-1) * sin
+    got = torch.ops.tandem_cpu.rope(q, cos, sin)
+    assert got.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_the_model_takes_the_elementwise_steps_eagerly_and_agrees_without_them(monkeypatch):
+    """An eager bfloat16 layer's RMSNorm, rotary embedding and MLP call the kernels' steps, once each,
+    and give what torch's ops give; without the kernels they call none."""
+    from types import SimpleNamespace
+
+    from cluster.model import causal_lm
+
+    torch.manual_seed(0)
+    norm, mlp = (
+        causal_lm.RMSNorm(64, 1e-6),
+        causal_lm.MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False)),
+    )
+    nn.init.normal_(norm.weight)
+    norm, mlp = norm.to(torch.bfloat16), mlp.to(torch.bfloat16)
+    x, q = torch.randn(9, 64, dtype=torch.bfloat16), torch.randn(9, 4, 16, dtype=torch.bfloat16)
+    cos, sin = torch.randn(9, 1, 16, dtype=torch.bfloat16), torch.randn(9, 1, 16, dtype=torch.bfloat16)
+    calls: list[str] = []
+    for name in ("rms_norm", "rope", "silu_mul"):
+        real = getattr(torch.ops.tandem_cpu, name)
+        monkeypatch.setattr(torch.ops.tandem_cpu, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+
+    def layer():  # type: ignore[no-untyped-def]
+        with torch.inference_mode():
+            return norm(x), causal_lm.apply_rope(q, cos, sin), mlp(x)
+
+    fused = layer()
+    assert sorted(calls) == ["rms_norm", "rope", "silu_mul"]
+    monkeypatch.setitem(cpu_kernels._state, "vector", False)
+    calls.clear()
+    for got, want in zip(fused, layer(), strict=True):
+        torch.testing.assert_close(got, want)
+    assert not calls
+
+
+def test_elementwise_steps_refuse_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight and x differ in dtype"):
+        torch.ops.tandem_cpu.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="gate_up \\[rows, 2 \\* width\\]"):
+        torch.ops.tandem_cpu.silu_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="rope: cos and sin"):
+        torch.ops.tandem_cpu.rope(torch.randn(4, 2, 8), torch.randn(4, 1, 6), torch.randn(4, 1, 6))
+    with pytest.raises(RuntimeError, match="takes float32, bfloat16 or float16"):
+        torch.ops.tandem_cpu.silu_mul(torch.ones(4, 8, dtype=torch.int32))

@@ -62,6 +62,13 @@ class Linear(nn.Linear):
         return y.to(x.dtype)
 
 
+def fused_elementwise(x: torch.Tensor) -> bool:
+    """Whether an eager CPU pass takes the kernels' one-pass element-wise steps (RMSNorm, rotary
+    embedding, silu(gate) * up: `csrc/elementwise.h`) for `x`. A compiled graph fuses them itself,
+    and training keeps torch's ops, which autograd differentiates."""
+    return x.device.type == "cpu" and not x.requires_grad and not torch.compiler.is_compiling() and cpu_kernels.used()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -69,6 +76,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == self.weight.dtype and fused_elementwise(x):
+            return torch.ops.tandem_cpu.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, as the reference implementation does, then scale in the model dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -101,6 +110,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # `CausalLM.forward`). Rotates the two halves (Llama's layout): x * cos + (-x2, x1) * sin. The
     # halves are swapped by a roll, which the compiler indexes in place; a concatenation there
     # becomes a buffer and its aliases in the graph (about 0.25 ms of a batch-1 decode step).
+    if x.dtype == cos.dtype and fused_elementwise(x):
+        return torch.ops.tandem_cpu.rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
@@ -141,12 +152,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
-        if lora is None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        gate, up = lora.add(self.gate_up_proj(x), x, "gate_up").split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
-        return lora.add(self.down_proj(h), h, "down")
+        gate_up = self.gate_up_proj(x) if lora is None else lora.add(self.gate_up_proj(x), x, "gate_up")
+        if gate_up.dim() == 2 and fused_elementwise(gate_up):
+            h = torch.ops.tandem_cpu.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h) if lora is None else lora.add(self.down_proj(h), h, "down")
 
 
 class DecoderLayer(nn.Module):

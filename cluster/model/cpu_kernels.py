@@ -12,6 +12,8 @@
   a flash kernel in float32 vectors, an int8 cache through torch's flash attention. With
   `torch_flash` (`torch_flash()`: a CPU with AMX tiles) bfloat16 goes through torch's flash attention
   too, whose products run on the tiles.
+- `rms_norm`, `rope` and `silu_mul` are a decoder layer's element-wise steps, one pass each, for
+  eager passes (`csrc/elementwise.h`); compiled graphs fuse the same steps themselves.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
   in place, through the block table (torch's paths either gather the cache into a copy first or,
   under `torch.compile`, spend most of their time on per-element index arithmetic).
@@ -172,6 +174,9 @@ _library.define(
     "skinny_linear_int4(Tensor x, Tensor nibbles, Tensor scales, Tensor minimums, int group_size) -> Tensor"
 )
 _library.define("dequantize_int8(Tensor weight, Tensor scales, ScalarType dtype) -> Tensor")
+_library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_library.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+_library.define("silu_mul(Tensor gate_up) -> Tensor")
 _library.define(
     "dequantize_int4(Tensor nibbles, Tensor scales, Tensor minimums, int group_size, ScalarType dtype) -> Tensor"
 )

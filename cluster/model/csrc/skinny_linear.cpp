@@ -9,7 +9,8 @@
 //
 // Products over int8 and int4 weights are in `quantized_linear.cpp`.
 //
-// The CPU implementation of `tandem_cpu::skinny_linear`, which `cluster/model/cpu_kernels.py` defines,
+// The CPU implementation of `tandem_cpu::skinny_linear` (and the registration of `elementwise.h`'s
+// `rms_norm`, `rope` and `silu_mul`), which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
 
 #include <ATen/ATen.h>
@@ -21,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "elementwise.h"
 #include "skinny.h"
 #include "vec.h"
 
@@ -122,4 +124,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("rms_norm", &tandem::elementwise::rms_norm);
+  m.impl("rope", &tandem::elementwise::rope);
+  m.impl("silu_mul", &tandem::elementwise::silu_mul);
 }
