@@ -174,12 +174,12 @@ _library.define(
     "skinny_linear_int4(Tensor x, Tensor nibbles, Tensor scales, Tensor minimums, int group_size) -> Tensor"
 )
 _library.define("dequantize_int8(Tensor weight, Tensor scales, ScalarType dtype) -> Tensor")
-_library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
-_library.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
-_library.define("silu_mul(Tensor gate_up) -> Tensor")
 _library.define(
     "dequantize_int4(Tensor nibbles, Tensor scales, Tensor minimums, int group_size, ScalarType dtype) -> Tensor"
 )
+_library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_library.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+_library.define("silu_mul(Tensor gate_up) -> Tensor")
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used. It beats torch's GEMM on the CPUs measured at every
 # row count in float32 (`benchmarks/skinny_linear.py`). In bfloat16 it beats `F.linear` at every
