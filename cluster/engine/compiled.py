@@ -47,9 +47,10 @@ class CompiledDecode:
         # The graphs take the kernels' answers as given.
         for probe in (cpu_kernels.available, cpu_kernels.used, cpu_kernels.amx):
             torch.compiler.assume_constant_result(probe)
-        # max-autotune's options, with CUDA graphs only where there is CUDA (on CPU they are skipped, with a warning).
+        # max-autotune's options, without CUDA graphs on CPU (inductor would skip them there, with a warning).
         options = {"max_autotune": True, "coordinate_descent_tuning": True}
-        options["triton.cudagraphs"] = model.embed_tokens.weight.device.type == "cuda"
+        self._cpu = model.embed_tokens.weight.device.type == "cpu"
+        options["triton.cudagraphs"] = not self._cpu
         self._forward = torch.compile(self._logits, options=options, fullgraph=True, dynamic=False)
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta, lora) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -82,7 +83,6 @@ class CompiledDecode:
                 return self._forward(ids, meta.positions, kv_cache, meta, lora)[:n]
         import torch._inductor.config as inductor_config  # here: importing inductor takes a second
 
-        cpu = device.type == "cpu"
         with inductor_config.patch(
             {
                 "freezing": True,
@@ -93,7 +93,7 @@ class CompiledDecode:
                 "size_asserts": False,
                 "alignment_asserts": False,
                 "scalar_asserts": False,
-                "cpp_wrapper": cpu,  # see the module's docstring
+                "cpp_wrapper": self._cpu,  # see the module's docstring
             }
         ):
             return self._forward(ids, meta.positions, kv_cache, meta, lora)[:n]
