@@ -52,7 +52,6 @@ inline vfloat round_half(vfloat v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _
 inline void store(c10::Half* p, vfloat v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
-inline vfloat vabs(vfloat v) { return _mm512_abs_ps(v); }
 inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline vfloat where_nonnegative(vfloat g, vfloat yes, vfloat no) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), no, yes);
@@ -75,7 +74,6 @@ inline vfloat round_half(vfloat v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _
 inline void store(c10::Half* p, vfloat v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
-inline vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
 inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 inline vfloat where_nonnegative(vfloat g, vfloat yes, vfloat no) {
   return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));

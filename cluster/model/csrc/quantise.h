@@ -26,6 +26,33 @@ struct Quantised {
   std::vector<float> lane_offset;  // [rows, lanes]: 128 * its block's sum, spread evenly over the block's lanes
 };
 
+// One block of `width` inputs: its largest magnitude, returned, and each input times 127 / it rounded
+// to an integer in `rounded` (ties to even, as std::nearbyint in the default rounding mode). A
+// quantised product's call quantises its rows once, on one thread, before the others start.
+template <typename T>
+inline float round_block(const T* x, int64_t width, int32_t* rounded) {
+#if defined(TANDEM_SIMD)
+  if (width == kBlock) {
+    using namespace tandem::simd;
+    constexpr int kVectors = kBlock / kLanes;
+    vfloat v[kVectors], most = vzero();
+    for (int i = 0; i < kVectors; ++i) {
+      v[i] = vload(x + i * kLanes);
+      most = vmax(most, vabs(v[i]));
+    }
+    const float m = vmaxval(most);
+    const vfloat inverse = vset1(m > 0.f ? 127.f / m : 0.f);
+    for (int i = 0; i < kVectors; ++i) vstore_rounded(rounded + i * kLanes, vmul(v[i], inverse));
+    return m;
+  }
+#endif
+  float most = 0.f;
+  for (int64_t i = 0; i < width; ++i) most = std::max(most, std::abs(widen(x[i])));
+  const float inverse = most > 0.f ? 127.f / most : 0.f;
+  for (int64_t i = 0; i < width; ++i) rounded[i] = static_cast<int32_t>(std::nearbyint(widen(x[i]) * inverse));
+  return most;
+}
+
 template <typename T>
 Quantised quantise(const T* x, int64_t rows, int64_t k, bool split, int64_t lane_columns) {
   Quantised a{k, (k + kBlock - 1) / kBlock, (k + lane_columns - 1) / lane_columns, {}, {}, {}, {}, {}};
@@ -34,24 +61,19 @@ Quantised quantise(const T* x, int64_t rows, int64_t k, bool split, int64_t lane
   a.lane.resize(rows * a.lanes);
   a.sums.resize(rows * a.blocks);
   a.lane_offset.resize(rows * a.lanes);
-  float block[kBlock];
+  int32_t rounded[kBlock];
   for (int64_t m = 0; m < rows; ++m) {
     const T* xr = x + m * k;
     int8_t* qr = a.q.data() + m * k;
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t c0 = b * kBlock, width = std::min(kBlock, k - c0);
-      float most = 0.f;
-      for (int64_t i = 0; i < width; ++i) {
-        block[i] = widen(xr[c0 + i]);
-        most = std::max(most, std::abs(block[i]));
-      }
-      const float inverse = most > 0.f ? 127.f / most : 0.f;
+      const float most = round_block(xr + c0, width, rounded);
       int32_t sum = 0;
-      for (int64_t i = 0, c = c0; i < width; ++i, ++c) {
-        const int8_t v = static_cast<int8_t>(std::nearbyint(block[i] * inverse));
-        qr[split ? (c & 1) * (k / 2) + c / 2 : c] = v;
-        sum += v;
-      }
+      for (int64_t i = 0; i < width; ++i) sum += rounded[i];
+      if (split)
+        for (int64_t i = 0, c = c0; i < width; ++i, ++c) qr[(c & 1) * (k / 2) + c / 2] = static_cast<int8_t>(rounded[i]);
+      else
+        for (int64_t i = 0; i < width; ++i) qr[c0 + i] = static_cast<int8_t>(rounded[i]);
       a.scale[m * a.blocks + b] = most / 127.f;
       a.sums[m * a.blocks + b] = a.scale[m * a.blocks + b] * static_cast<float>(sum);
     }

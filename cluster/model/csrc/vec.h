@@ -107,6 +107,9 @@ inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 inline float vmaxval(vfloat v) { return _mm512_reduce_max_ps(v); }
+inline vfloat vabs(vfloat v) { return _mm512_abs_ps(v); }
+// v rounded to the nearest integers (ties to even, as std::nearbyint in the default rounding mode).
+inline void vstore_rounded(int32_t* p, vfloat v) { _mm512_storeu_si512(p, _mm512_cvtps_epi32(v)); }
 inline vfloat vexp_nonpositive(vfloat x) { return exp16_nonpositive(x); }
 #else
 constexpr int kLanes = 8;
@@ -137,6 +140,10 @@ inline float vmaxval(vfloat v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline void vstore_rounded(int32_t* p, vfloat v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_cvtps_epi32(v));
 }
 // exp16_nonpositive on eight lanes: 2^n applied through the exponent bits (n >= -126 here, since
 // x >= -87, so 2^n stays a normal number).
