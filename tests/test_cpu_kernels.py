@@ -615,3 +615,51 @@ def test_elementwise_steps_refuse_bad_input():
         torch.ops.tandem_cpu.rope(torch.randn(4, 2, 8), torch.randn(4, 1, 6), torch.randn(4, 1, 6))
     with pytest.raises(RuntimeError, match="takes float32, bfloat16 or float16"):
         torch.ops.tandem_cpu.silu_mul(torch.ones(4, 8, dtype=torch.int32))
+
+
+def test_tile_pack_lays_each_tile_out_as_the_tiles_read_it():
+    """Tile (j, b), row r: input columns 32b + 2r and 32b + 2r + 1 of weight rows 16j to 16j + 15,
+    pair after pair."""
+    w = torch.arange(64 * 96, dtype=torch.float32).view(64, 96).bfloat16()  # every value exact
+    packed = torch.ops.tandem_cpu.tile_pack(w)
+    assert packed.shape == (4, 3, 16, 32)
+    for j, b, r, c, e in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 2, 15, 7, 1), (3, 1, 4, 15, 0)]:
+        assert packed[j, b, r, 2 * c + e] == w[16 * j + c, 32 * b + 2 * r + e]
+    torch.testing.assert_close(packed, w.view(4, 16, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(4, 3, 16, 32))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 72])
+@pytest.mark.parametrize(("n", "k"), [(32, 32), (96, 576), (64, 1536)])
+def test_tile_linear_equals_the_bfloat16_product(rows, n, k):
+    """float32 sums of the bfloat16 products, rounded once: on AMX tiles where the kernels run on
+    them (`tile_amx`), else in plain loops over the same layout. Rows past a tile's sixteen, and
+    rows that fill no pair of tiles, are right too."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    got = torch.ops.tandem_cpu.tile_linear(x, torch.ops.tandem_cpu.tile_pack(w))
+    expected = (x.double() @ w.double().T).float()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-4 * k**0.5)
+
+
+def test_tile_linear_runs_on_the_tiles_exactly_where_the_cpu_and_the_build_have_them():
+    from cluster.cpu import cpu_flags
+
+    expected = "amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags() and cpu_kernels.variant() == "avx512_bf16"
+    assert torch.ops.tandem_cpu.tile_amx() is expected
+
+
+def test_tile_kernels_refuse_what_they_cannot_do():
+    w = torch.randn(64, 96).bfloat16()
+    with pytest.raises(RuntimeError, match="n a multiple of 32 and k of 32"):
+        torch.ops.tandem_cpu.tile_pack(w[:48])
+    with pytest.raises(RuntimeError, match="bfloat16 weight"):
+        torch.ops.tandem_cpu.tile_pack(w.float())
+    packed = torch.ops.tandem_cpu.tile_pack(w)
+    with pytest.raises(RuntimeError, match="x has 64 columns, the weight 96"):
+        torch.ops.tandem_cpu.tile_linear(torch.randn(3, 64).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        torch.ops.tandem_cpu.tile_linear(torch.randn(3, 96), packed)
+    with pytest.raises(RuntimeError, match="packed by tile_pack"):
+        torch.ops.tandem_cpu.tile_linear(torch.randn(3, 96).bfloat16(), w)

@@ -49,7 +49,7 @@ def _layers(dtype: torch.dtype) -> list[torch.nn.Module]:
 
 def _pack(module: torch.nn.Module) -> None:
     weight = module.dense() if hasattr(module, "dense") else module.weight
-    module.onednn, module.onednn_dtype = prepack.pack(weight), weight.dtype
+    module.prepacked, module.prepacked_dtype = prepack.pack(weight), weight.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
@@ -90,7 +90,7 @@ def test_a_packed_model_predicts_as_the_plain_one(dtype, weights, products):
     windows = random_windows(512, length=128, count=2)
     plain = load_model(DEMO, name, weight_dtype=weights, prepack_weights="off")
     packed = load_model(DEMO, name, weight_dtype=weights, prepack_weights="on")
-    assert all(m.onednn is None for m in plain.layers.modules() if hasattr(m, "onednn"))
+    assert all(m.prepacked is None for m in plain.layers.modules() if hasattr(m, "prepacked"))
     reference = score(plain, windows)
     assert not products
     got = score(packed, windows)
@@ -103,9 +103,9 @@ def test_prepack_packs_every_layer_product_and_counts_its_bytes():
     model = load_model(DEMO, "float32", prepack_weights="off")
     linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
     assert prepack.prepack(model) == sum(m.weight.numel() * 4 for m in linears)
-    assert all(m.onednn is not None for m in linears) and model.lm_head.onednn is None
+    assert all(m.prepacked is not None for m in linears) and model.lm_head.prepacked is None
     prepack.unpack(model)
-    assert all(m.onednn is None for m in linears)
+    assert all(m.prepacked is None for m in linears)
 
 
 def test_auto_packs_bfloat16_on_a_cpu_with_amx_tiles_only(monkeypatch):
@@ -138,3 +138,20 @@ def test_a_compiled_graph_runs_its_own_products_on_a_packed_layer(products):
     compiled = torch.compile(module, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, module.weight, module.bias))
     assert not products
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (48, 256), (96, 100)])
+def test_bfloat16_weights_pack_for_the_tiles_where_the_kernels_run_on_them(n, k):
+    """Sizes that are multiples of 32 go to the tile kernel where it runs on AMX tiles; other sizes,
+    and other CPUs, to oneDNN. Either way the product is the dense one."""
+    if not (cpu_kernels.available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("needs the CPU kernels and oneDNN's bfloat16 products")
+    torch.manual_seed(0)
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    tiles = torch.ops.tandem_cpu.tile_amx() and cpu_kernels.used() and n % 32 == 0 and k % 32 == 0
+    assert prepack.tiles(w) is tiles
+    packed = prepack.pack(w)
+    assert (packed.dim() == 4) is tiles
+    x = torch.randn(40, k).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(prepack.product(x, packed, bias).float(), expected, rtol=2e-2, atol=5e-2)

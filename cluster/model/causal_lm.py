@@ -37,11 +37,11 @@ class Linear(nn.Linear):
     eager and compiled, which reads each weight row once for all of them (on CPUs with AVX-512:
     `cpu_kernels.used()`). Elsewhere compiled products with one or two rows are written as
     `(x * W).sum(-1)`, which inductor turns into one loop over the weight rows. More rows, eager,
-    take the weight packed once for oneDNN where `cluster.model.prepack` packed it.
+    take the weight packed once for AMX tiles or oneDNN where `cluster.model.prepack` packed it.
     """
 
-    onednn: torch.Tensor | None = None  # `prepack.prepack`'s copy of the weight, if any
-    onednn_dtype: torch.dtype | None = None
+    prepacked: torch.Tensor | None = None  # `prepack.prepack`'s copy of the weight, if any
+    prepacked_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
@@ -51,7 +51,7 @@ class Linear(nn.Linear):
             y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
             return y if self.bias is None else y + self.bias
         if on_cpu and not few and prepack.usable(self, x):
-            return prepack.product(x, self.onednn, self.bias)
+            return prepack.product(x, self.prepacked, self.bias)
         if not on_cpu or rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         # float32 row times bfloat16 weight: the widening happens inside the fused loop. An explicit

@@ -12,6 +12,9 @@
   a flash kernel in float32 vectors, an int8 cache through torch's flash attention. With
   `torch_flash` (`torch_flash()`: a CPU with AMX tiles) bfloat16 goes through torch's flash attention
   too, whose products run on the tiles.
+- `tile_pack` and `tile_linear` run a prompt chunk's bfloat16 products on AMX tiles, on weights packed
+  once (`csrc/tile_linear.h`, `cluster.model.prepack`); `tile_amx` says whether they run on the tiles
+  here (elsewhere `tile_linear` runs plain loops over the same layout).
 - `rms_norm`, `rope` and `silu_mul` are a decoder layer's element-wise steps, one pass each, for
   eager passes (`csrc/elementwise.h`); compiled graphs fuse the same steps themselves.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
@@ -180,6 +183,9 @@ _library.define(
 _library.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _library.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 _library.define("silu_mul(Tensor gate_up) -> Tensor")
+_library.define("tile_pack(Tensor weight) -> Tensor")
+_library.define("tile_linear(Tensor x, Tensor packed) -> Tensor")
+_library.define("tile_amx() -> bool")
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used. It beats torch's GEMM on the CPUs measured at every
 # row count in float32 (`benchmarks/skinny_linear.py`). In bfloat16 it beats `F.linear` at every
@@ -213,6 +219,11 @@ def _(x, weight, scales):  # type: ignore[no-untyped-def]
 @torch.library.register_fake("tandem_cpu::skinny_linear_int4")
 def _(x, nibbles, scales, minimums, group_size):  # type: ignore[no-untyped-def]
     return x.new_empty(x.shape[0], nibbles.shape[0])
+
+
+@torch.library.register_fake("tandem_cpu::tile_linear")
+def _(x, packed):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], packed.shape[0] * packed.shape[3] // 2)
 
 
 @torch.library.register_fake("tandem_cpu::dequantize_int8")

@@ -23,8 +23,9 @@ dequantise every weight for every group of rows, run it at a fraction of the den
 rate; there the layer dequantises its weights once, in float32 rounded to the activations' dtype,
 and runs the dense product (`dense`): 1.2x (int8) and 1.5x (int4) the unquantised product's time
 at 512 rows, where the weight-only kernels took 2.5-2.9x.
-Where `cluster.model.prepack` packed a layer (`onednn`: its weights dequantised once, in oneDNN's
-layout), every product of more than 16 rows runs on that copy instead, at the unquantised rate.
+Where `cluster.model.prepack` packed a layer (`prepacked`: its weights dequantised once, laid out
+for AMX tiles or for oneDNN), every product of more than 16 rows runs on that copy instead, at the
+unquantised rate.
 
 Activations stay in the model's dtype (float32 or bfloat16). The embedding table is never
 quantised (a step reads only its own tokens' rows); the LM head is by default (a decode step reads
@@ -74,8 +75,8 @@ class Int8Linear(nn.Module):
     scale per block of `Q8_0_BLOCK` input columns of each row."""
 
     dense_from_rows = 128  # rows from which a product dequantises its weights and runs dense (measured)
-    onednn: torch.Tensor | None = None  # the weights dequantised and packed by `prepack.prepack`, if any
-    onednn_dtype: torch.dtype | None = None
+    prepacked: torch.Tensor | None = None  # the weights dequantised and packed by `prepack.prepack`, if any
+    prepacked_dtype: torch.dtype | None = None
 
     def __init__(
         self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool, block_size: int | None = None
@@ -126,7 +127,7 @@ class Int8Linear(nn.Module):
         rows = flat.shape[0]
         few = rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu"
         if not few and prepack.usable(self, flat):
-            y = prepack.product(flat, self.onednn, None)
+            y = prepack.product(flat, self.prepacked, None)
         elif rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
         elif self.block_size is not None:  # no torch product takes scales per block
@@ -168,8 +169,8 @@ class Int4Linear(nn.Module):
     is rebuilt from the plain nibbles (`nibbles`, two per byte) whenever those are loaded."""
 
     dense_from_rows = 256  # unpacking the nibbles costs more than int8's widening: later than int8
-    onednn: torch.Tensor | None = None  # as `Int8Linear.onednn`
-    onednn_dtype: torch.dtype | None = None
+    prepacked: torch.Tensor | None = None  # as `Int8Linear.prepacked`
+    prepacked_dtype: torch.dtype | None = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool, group_size: int) -> None:
         super().__init__()
@@ -229,7 +230,7 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
         if rows > INT4_SKINNY_ROWS and prepack.usable(self, flat):
-            y = prepack.product(flat, self.onednn, None)
+            y = prepack.product(flat, self.prepacked, None)
         elif rows >= self.dense_from_rows:
             y = torch.nn.functional.linear(flat, self.dense())
         elif rows <= INT4_SKINNY_ROWS and self.nibbles.device.type == "cpu" and skinny(flat.dtype, bits=4):

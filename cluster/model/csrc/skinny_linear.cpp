@@ -24,6 +24,7 @@
 
 #include "elementwise.h"
 #include "skinny.h"
+#include "tile_linear.h"
 #include "vec.h"
 
 namespace {
@@ -127,4 +128,8 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("rms_norm", &tandem::elementwise::rms_norm);
   m.impl("rope", &tandem::elementwise::rope);
   m.impl("silu_mul", &tandem::elementwise::silu_mul);
+  m.impl("tile_pack", &tandem::tiles::tile_pack);
+  m.impl("tile_linear", &tandem::tiles::tile_linear);
 }
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CatchAll, m) { m.impl("tile_amx", [] { return tandem::tiles::amx(); }); }
