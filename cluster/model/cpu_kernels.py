@@ -44,10 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [
-    _CSRC / name
-    for name in ("decode_attention.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "quantized_linear.cpp")
-]
+_SOURCES = [_CSRC / "kernels.cpp"]  # includes every source: one translation unit (see there)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "vector": the build has vector paths
 

@@ -7,8 +7,7 @@
 // (RMSNorm normalises in float32 first, as the reference does), so eager results stay where they were.
 // Sums and exp differ from torch's in float32's last bits only.
 //
-// Included by `skinny_linear.cpp`, which registers them (a translation unit of their own would
-// compile ATen's headers once more for every instruction set).
+// Included by `skinny_linear.cpp`, which registers them.
 #pragma once
 
 #include <ATen/ATen.h>
