@@ -663,3 +663,5 @@ def test_tile_kernels_refuse_what_they_cannot_do():
         torch.ops.tandem_cpu.tile_linear(torch.randn(3, 96), packed)
     with pytest.raises(RuntimeError, match="packed by tile_pack"):
         torch.ops.tandem_cpu.tile_linear(torch.randn(3, 96).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="packed by tile_pack"):  # column tiles come in pairs
+        torch.ops.tandem_cpu.tile_linear(torch.randn(3, 96).bfloat16(), packed[:3])

@@ -10,8 +10,9 @@ AMX, 1.2-1.3x faster at 17-256 rows, even (0.92-1.04x) from 512; an int8 or int4
 Where the kernels run on the tiles (`tandem_cpu::tile_amx`), a bfloat16 weight whose sizes are
 multiples of 32 is packed for `tandem_cpu::tile_linear` (`csrc/tile_linear.h`), which streams each
 weight tile once for all the rows and asks for the next ones while it multiplies: SmolLM2-135M's 30
-layers of products from memory, 2 threads, 1.4-1.5x oneDNN's on its packed weights at 16-32 rows,
-1.25x at 128, 1.15x at 512, even at 72. Other weights are packed for oneDNN.
+layers of products from memory, 2 threads, 1.5x oneDNN's on its packed weights at 16-32 rows,
+1.1-1.2x at 128-512, even at 72 (`benchmarks/prefill_products.py`). Other weights are packed for
+oneDNN.
 
 The packed weight is a second copy, kept beside the plain one: decode's few-row products
 (`tandem_cpu::skinny_linear` and its int8 / int4 twins) stream the plain rows, which they read faster

@@ -70,8 +70,9 @@ Quantised quantise(const T* x, int64_t rows, int64_t k, bool split, int64_t lane
       const float most = round_block(xr + c0, width, rounded);
       int32_t sum = 0;
       for (int64_t i = 0; i < width; ++i) sum += rounded[i];
-      if (split)
-        for (int64_t i = 0, c = c0; i < width; ++i, ++c) qr[(c & 1) * (k / 2) + c / 2] = static_cast<int8_t>(rounded[i]);
+      if (split)  // even columns first, then odd ones
+        for (int64_t i = 0, c = c0; i < width; ++i, ++c)
+          qr[(c & 1) * (k / 2) + c / 2] = static_cast<int8_t>(rounded[i]);
       else
         for (int64_t i = 0; i < width; ++i) qr[c0 + i] = static_cast<int8_t>(rounded[i]);
       a.scale[m * a.blocks + b] = most / 127.f;

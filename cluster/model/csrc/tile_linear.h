@@ -5,15 +5,16 @@
 // output columns at a time: two row tiles by two column tiles of sums, the weight tiles asked for a
 // few steps ahead of their loads, then kept in cache for the other row tiles.
 //
-// Packed layout, [n / 16, k / 32, 16, 32] bfloat16 (n a multiple of 32, k of 32): tile (j, b) holds output columns 16j to 16j + 15
-// over input columns 32b to 32b + 31, as `tdpbf16ps` reads its second operand: row r holds input
-// columns 32b + 2r and 32b + 2r + 1 of the sixteen weight rows, pair after pair. A tile is 1 KB,
-// and a column range's tiles follow one another, so the weights are read in one sequential stream.
+// Packed layout, [n / 16, k / 32, 16, 32] bfloat16 (n and k multiples of 32): tile (j, b) holds
+// output columns 16j to 16j + 15 over input columns 32b to 32b + 31, as `tdpbf16ps` reads its second
+// operand: row r holds input columns 32b + 2r and 32b + 2r + 1 of the sixteen weight rows, pair after
+// pair. A tile is 1 KB, and a column range's tiles follow one another, so the weights are read in one
+// sequential stream.
 //
-// `tile_linear` multiplies through the tiles where the CPU has them (`amx`: the kernels built with
-// AVX512-BF16 and the CPU's AMX tiles granted by the kernel), else through plain loops over the
-// same layout, which check its arithmetic on every CPU. Included by `skinny_linear.cpp`, which
-// registers both ops.
+// `tile_linear` multiplies through the tiles where it can (`amx`: the kernels built with AVX512-BF16,
+// a CPU with AMX tiles, and their state granted by Linux), else through plain loops over the same
+// layout, which check its arithmetic on every CPU. Included by `skinny_linear.cpp`, which registers
+// the ops.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -178,8 +179,8 @@ inline bool amx() {
 // x [rows, k] @ W^T for W packed by `tile_pack` ([n / 16, k / 32, 16, 32]): y [rows, n], bfloat16.
 inline at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "tile_linear takes bfloat16 x [rows, k]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kDepth / 2 &&
-                  packed.size(3) == 2 * kCols && packed.is_contiguous(),
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(0) % 2 == 0 &&
+                  packed.size(2) == kDepth / 2 && packed.size(3) == 2 * kCols && packed.is_contiguous(),
               "tile_linear takes a weight packed by tile_pack [n / ", kCols, ", k / ", kDepth, ", ", kDepth / 2, ", ",
               2 * kCols, "]");
   TORCH_CHECK(x.size(1) == packed.size(1) * kDepth, "tile_linear: x has ", x.size(1), " columns, the weight ",
