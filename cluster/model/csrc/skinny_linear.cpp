@@ -9,9 +9,9 @@
 //
 // Products over int8 and int4 weights are in `quantized_linear.cpp`.
 //
-// The CPU implementation of `tandem_cpu::skinny_linear` (and the registration of `elementwise.h`'s
-// `rms_norm`, `rope` and `silu_mul`), which `cluster/model/cpu_kernels.py` defines,
-// builds and loads.
+// The CPU implementation of `tandem_cpu::skinny_linear`, and the registration of `elementwise.h`'s
+// `rms_norm`, `rope` and `silu_mul` and `tile_linear.h`'s `tile_pack`, `tile_linear` and `tile_amx`,
+// which `cluster/model/cpu_kernels.py` defines, builds and loads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
