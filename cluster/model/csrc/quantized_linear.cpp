@@ -174,6 +174,23 @@ void product_int8(const Quantised& a, int64_t m0, const int8_t* w, const float* 
 #endif
 }
 
+#if defined(__AVX512VNNI__)
+// The sums of four vectors' lanes, into `out[0..3]`.
+inline void reduce4(const __m512* v, float* out) {
+  // Halves, then quarters, of each pair added: lanes of v0 and v1 (then v2 and v3) side by side.
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  // Each 128-bit quarter now holds four partial sums of one vector: v0, v1, v2, v3 in order.
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(a, c, 0x88), _mm512_shuffle_f32x4(a, c, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  for (int j = 0; j < 4; ++j) out[j] = lanes[4 * j];
+}
+
+#endif
+
 // y[m * ldy + n] = sum over groups g of scale[n, g] * <x[m], q[n]> over g + low[n, g] * xsum[m, g],
 // for n in [n0, n1): `nibbles` rows of k 4-bit values two to a byte, x as quantised (`a`, split into
 // even and odd columns, from row `m0`), `xsum` [rows, k / group] the inputs' exact sums over each group.
@@ -213,24 +230,41 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
   };
   if (Rows == 1) {
     // One input row (decode at batch 1): four weight rows at a time share the loads of the inputs
-    // and their scales, as `product_int8` does.
+    // and their scales, as `product_int8` does. Whole vectors load unmasked (a masked byte load
+    // costs an extra uop); the minimums' part joins the sums in vectors, and the four rows' sums
+    // are reduced together.
+    const int64_t full = half - half % kStep;
     for (; n + 4 <= n1; n += 4) {
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t b = 0; b < vector_end; b += kStep) {
-        const __mmask64 bytes = bytes_from(half - b);
-        const __m512i xe = _mm512_maskz_loadu_epi8(bytes, q + b), xo = _mm512_maskz_loadu_epi8(bytes, q + half + b);
-        const __m512 xs = _mm512_maskz_loadu_ps(lanes_from((half - b) / 4), lane + b / 4);
+      const auto vector = [&](int64_t b, __m512i xe, __m512i xo, __m512 xs, auto load) TANDEM_INLINE {
         for (int j = 0; j < 4; ++j) {
           const uint8_t* row = nibbles + (n + j) * half;
           prefetch_ahead(row + b);
-          const __m512i wv = _mm512_maskz_loadu_epi8(bytes, row + b);
+          const __m512i wv = load(row + b);
           const __m512i even = _mm512_and_si512(wv, four_bits), odd = _mm512_and_si512(_mm512_srli_epi16(wv, 4), four_bits);
           const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, xe), odd, xo);
           acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), group_scales(wscale + (n + j) * groups, b), acc[j]);
         }
+      };
+      int64_t b = 0;
+      for (; b < full; b += kStep)
+        vector(b, _mm512_loadu_si512(q + b), _mm512_loadu_si512(q + half + b), _mm512_loadu_ps(lane + b / 4),
+               [](const uint8_t* p) TANDEM_INLINE { return _mm512_loadu_si512(p); });
+      if (b < half) {
+        const __mmask64 bytes = bytes_from(half - b);
+        vector(b, _mm512_maskz_loadu_epi8(bytes, q + b), _mm512_maskz_loadu_epi8(bytes, q + half + b),
+               _mm512_maskz_loadu_ps(lanes_from((half - b) / 4), lane + b / 4),
+               [bytes](const uint8_t* p) TANDEM_INLINE { return _mm512_maskz_loadu_epi8(bytes, p); });
       }
-      for (int j = 0; j < 4; ++j)
-        y[n + j] = static_cast<Y>(_mm512_reduce_add_ps(acc[j]) + dot_f32(low + (n + j) * groups, xsum, groups));
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 some = lanes_from(groups - g);
+        const __m512 sums = _mm512_maskz_loadu_ps(some, xsum + g);
+        for (int j = 0; j < 4; ++j)
+          acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(some, low + (n + j) * groups + g), sums, acc[j]);
+      }
+      float total[4];
+      reduce4(acc, total);
+      for (int j = 0; j < 4; ++j) y[n + j] = static_cast<Y>(total[j]);
     }
   }
 #endif
