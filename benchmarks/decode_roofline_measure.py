@@ -5,6 +5,7 @@ the mixed workload's throughput on each. `CONTEXT` is the context every decode s
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -102,6 +103,37 @@ def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
     return StepPlan(tuple(chunks))
 
 
+def sample_rows(plan: StepPlan) -> list[SampleRow]:
+    """The sampling rows of `plan`'s chunks, as the engine hands them to `ModelRunner.execute`."""
+    return [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
+
+
+def paired_steps(engines: dict[str, Engine], context: int, turns: int, warm: int = 5, steps: int = 20) -> dict:
+    """Each engine's decode step at batch 1 after `context` tokens, the engines taking turns in this one
+    process: per turn, `warm` steps to bring its weights back into cache, then `steps` back to back, timed
+    one by one. Per engine: its step (the median over turns of each turn's median) and its speed-up over
+    the first engine (each turn's step against the first engine's of the same turn: the median over
+    turns, and their range)."""
+    steps_of = {}
+    for name, engine in engines.items():
+        plan = decode_plan(1, context, engine.runner.block_size)
+        steps_of[name] = functools.partial(engine.runner.execute, plan, sample_rows(plan))
+    per_turn: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(turns):
+        for name, step in steps_of.items():
+            per_turn[name].append(statistics.median(timed(step, "cpu", steps, warm)))
+    first = per_turn[next(iter(engines))]
+    out = {}
+    for name, times in per_turn.items():
+        speedups = [a / b for a, b in zip(first, times, strict=True)]
+        out[name] = {
+            "step_ms": statistics.median(times) * 1e3,
+            "speedup": statistics.median(speedups),
+            "speedup_range": [min(speedups), max(speedups)],
+        }
+    return out
+
+
 def tandem_step_time(
     engine: Engine, batch: int, device: str, repeat: int, matmul: bool = True
 ) -> tuple[float, float, float]:
@@ -114,7 +146,7 @@ def tandem_step_time(
     which a decode loop never makes. Without `matmul` the matrix-multiply rate is not measured
     (nan): a bfloat16 product takes seconds on a CPU without native bfloat16 arithmetic."""
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
-    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
+    rows = sample_rows(plan)
     probe = _probe(device)
     a = _matmul_operand(engine.runner.model.embed_tokens.weight.dtype, device)
     steps: list[float] = []
@@ -152,7 +184,7 @@ def step_breakdown(engine: Engine, batch: int, weight_bytes: int, kv_bytes: int,
     from torch.profiler import profile
 
     plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
-    rows = [SampleRow(c.request.params, c.request.prompt_token_ids, c.request.output_token_ids) for c in plan.chunks]
+    rows = sample_rows(plan)
     steps = 20
     engine.runner.execute(plan, rows)
     with profile() as prof:

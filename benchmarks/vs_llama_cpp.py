@@ -25,7 +25,11 @@ per second (medians over rounds), the ratio Tandem / llama.cpp, and Tandem's dec
 against the memory floor measured beside it. A second table sets each setting against the first (decode
 and prefill speed-ups) and breaks Tandem's compiled step down (`decode_roofline_measure.step_breakdown`):
 the weight products and the attention kernel, each with the bytes it reads per second, the graph's
-element-wise loops, and the rest. Prints the CPU, the kernel path, the tables; writes
+element-wise loops, and the rest. The speed-ups over the first setting come twice: from the rounds'
+medians, and paired: every setting's compiled step in one process, the settings taking turns a
+block of back-to-back steps at a time, each block's step set against the first setting's beside it
+(this machine's speed drifts by 10-20 % between rounds minutes apart; turns seconds apart share it).
+Prints the CPU, the kernel path, the tables; writes
 `benchmarks/results/vs_llama_cpp.{json,png}` (`vs_llama_cpp_avx2.*` on a CPU without AVX-512,
 `vs_llama_cpp_amx.*` on one with AMX).
 """
@@ -50,6 +54,7 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama
 CACHE = ROOT / ".cache" / "llama.cpp"
 OUT = ROOT / "benchmarks" / "results"
 CONTEXT, GENERATED = 512, 128
+PAIRED_TURNS, SPEEDUP_GOALS = 4, {"q8_0": 1.6, "q4_1": 2.4}  # turns per round in `paired`; its goals
 SETTINGS = {  # name: (llama.cpp file type, Tandem's weights)
     "bf16": ("BF16", "bfloat16"),
     "f32": ("F32", "float32"),
@@ -216,12 +221,40 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     return out
 
 
+def paired(settings: list[tuple[str, str, str, str]], threads: int, turns: int) -> dict:
+    """Each setting's (name, folder, weights, activations) compiled decode step in this one process, the
+    settings taking `turns` turns (`decode_roofline_measure.paired_steps`)."""
+    import torch
+    from decode_roofline_measure import _NoText, paired_steps
+
+    from cluster.config import CacheConfig, SchedulerConfig
+    from cluster.model.loader import load_model
+    from decode_worker.engine import Engine
+
+    torch.set_num_threads(threads)
+    cache = CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2))
+    engines = {}
+    for name, folder, weights, activations in settings:
+        model = load_model(Path(folder), activations, "cpu", weight_dtype="int8" if weights == "int8" else "auto")
+        engines[name] = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2), compile_buckets=(1,))
+        engines[name].runner.compiled.warm_up(engines[name].runner.kv_cache)
+    return paired_steps(engines, CONTEXT, turns)
+
+
+def run_paired(settings: list[tuple[str, str, str, str]], args: argparse.Namespace) -> dict:
+    return run_self(["--paired", json.dumps(settings), "--threads", str(args.threads), "--rounds", str(args.rounds)])
+
+
 def run_tandem(folder: Path, weights: str, activations: str, args: argparse.Namespace, breakdown: bool) -> dict:
-    command = [sys.executable, __file__, "--one", str(folder), "--weights", weights, "--threads", str(args.threads)]
-    command += ["--activations", activations] + (["--breakdown"] if breakdown else [])
-    done = subprocess.run([*command, "--repeat", str(args.repeat)], capture_output=True, text=True)
+    command = ["--one", str(folder), "--weights", weights, "--threads", str(args.threads), "--repeat", str(args.repeat)]
+    return run_self([*command, "--activations", activations] + (["--breakdown"] if breakdown else []))
+
+
+def run_self(arguments: list[str]) -> dict:
+    """This script's answer, in a process of its own: the JSON on its last line."""
+    done = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"Tandem {weights} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"Tandem ({' '.join(arguments[:2])}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -234,6 +267,7 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # Tandem's own process for one setting
     parser.add_argument("--weights", default="bfloat16", help=argparse.SUPPRESS)
     parser.add_argument("--breakdown", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--paired", default=None, help=argparse.SUPPRESS)  # every setting's steps in turns
     parser.add_argument("--activations", default=None, help="Tandem's dtype (default: model.dtype auto's)")
     args = parser.parse_args()
     from cluster.cpu import auto_dtype, cpu_kind, results_suffix
@@ -241,6 +275,9 @@ def main() -> None:
     activations = args.activations or auto_dtype("cpu")[0]
     if args.one is not None:
         print(json.dumps(tandem(args.one, args.weights, activations, args.threads, args.repeat, args.breakdown)))
+        return
+    if args.paired is not None:
+        print(json.dumps(paired(json.loads(args.paired), args.threads, PAIRED_TURNS * args.rounds)))
         return
     if shutil.which("cmake") is None or shutil.which("ninja") is None:
         raise SystemExit("building llama.cpp needs cmake and ninja")
@@ -256,25 +293,20 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
     samples: dict[str, list[tuple[dict, dict]]] = {name: [] for name in chosen}
+    dtypes = {
+        name: SETTINGS[name][1] if SETTINGS[name][1] in ("float32", "bfloat16") else activations for name in chosen
+    }
     for round_ in range(args.rounds):
         for name in chosen:
             kind, weights = SETTINGS[name]
             theirs = llama_bench(tools, files[kind], args.threads)
-            dtype = weights if weights in ("float32", "bfloat16") else activations
-            ours = run_tandem(folders[weights], weights, dtype, args, breakdown=round_ == 0)
+            ours = run_tandem(folders[weights], weights, dtypes[name], args, breakdown=round_ == 0)
             samples[name].append((ours, theirs))
-    records = [record(name, runs) for name, runs in samples.items()]
+    turns = run_paired([(n, str(folders[SETTINGS[n][1]]), SETTINGS[n][1], dtypes[n]) for n in chosen], args)
+    records = [{**record(name, runs), "paired": turns[name]} for name, runs in samples.items()]
     kernels = samples[chosen[0]][0][0]["kernels"]
-    print(f"\n{cpu_kind()}, {args.threads} threads, Tandem's kernels: {kernels}, quantised settings' activations "
-          f"in {activations}; medians of {args.rounds} rounds")  # fmt: skip
-    print(f"{'setting':<8}{'Tandem tok/s (eager, compiled)':>32}{'llama.cpp tg':>14}{'ratio':>8}{'roofline':>10}"
-          f"{'Tandem pp512':>14}{'llama.cpp pp512':>17}{'ratio':>8}")  # fmt: skip
-    for r in records:
-        print(
-            f"{r['setting']:<8}{r['tandem_decode_eager']:>20.1f}{r['tandem_decode_compiled']:>12.1f}"
-            f"{r['llama_decode']:>14.1f}{r['decode_ratio']:>7.2f}x{r['roofline']:>10.0%}"
-            f"{r['tandem_prefill']:>14.0f}{r['llama_prefill']:>17.0f}{r['prefill_ratio']:>7.2f}x"
-        )
+    print_table(records, f"{cpu_kind()}, {args.threads} threads, Tandem's kernels: {kernels}, quantised settings' "
+                f"activations in {activations}; medians of {args.rounds} rounds")  # fmt: skip
     say_unrepacked(records)
     print_breakdown(records)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -286,19 +318,35 @@ def main() -> None:
     print(f"\nwrote {stem}.json and .png")
 
 
+def print_table(records: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'setting':<8}{'Tandem tok/s (eager, compiled)':>32}{'llama.cpp tg':>14}{'ratio':>8}{'roofline':>10}"
+          f"{'Tandem pp512':>14}{'llama.cpp pp512':>17}{'ratio':>8}")  # fmt: skip
+    for r in records:
+        print(
+            f"{r['setting']:<8}{r['tandem_decode_eager']:>20.1f}{r['tandem_decode_compiled']:>12.1f}"
+            f"{r['llama_decode']:>14.1f}{r['decode_ratio']:>7.2f}x{r['roofline']:>10.0%}"
+            f"{r['tandem_prefill']:>14.0f}{r['llama_prefill']:>17.0f}{r['prefill_ratio']:>7.2f}x"
+        )
+
+
 def print_breakdown(records: list[dict]) -> None:
     """Each setting against the first (its speed-ups), and where its compiled decode step goes: the first
     round's step, and the same step in a graph that names its loops for the profiler, broken down."""
     base = records[0]
-    print(f"\nagainst {base['setting']}: decode (best of eager and compiled), prefill; a compiled step, ms: as timed, "
-          "and named for the profiler,\nbroken down: weight products and attention (GB/s they read), "
-          "the graph's element-wise loops, the rest")  # fmt: skip
-    print(f"{'setting':<8}{'decode':>8}{'prefill':>9}{'step':>7}{'named':>7}{'products':>15}{'attention':>15}"
-          f"{'element-wise':>14}{'the rest':>10}")  # fmt: skip
+    print(f"\nagainst {base['setting']}: decode (best of eager and compiled, rounds' medians), the compiled step "
+          "paired in one process (median, range),\nprefill; a compiled step, ms: as timed, and named for the "
+          "profiler, broken down: weight products and attention\n(GB/s they read), the graph's element-wise "
+          "loops, the rest")  # fmt: skip
+    print(f"{'setting':<8}{'decode':>8}{'paired':>21}{'prefill':>9}{'step':>7}{'named':>7}{'products':>15}"
+          f"{'attention':>15}{'element-wise':>14}{'the rest':>10}")  # fmt: skip
     best = lambda r: max(r["tandem_decode_eager"], r["tandem_decode_compiled"])  # noqa: E731
     for r in records:
         b, timed = r["breakdown"], 1e3 / r["rounds"][0][0]["decode_compiled"]
-        print(f"{r['setting']:<8}{best(r) / best(base):>7.2f}x{r['tandem_prefill'] / base['tandem_prefill']:>8.2f}x"
+        low, high = r["paired"]["speedup_range"]
+        paired_ = f"{r['paired']['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+        print(f"{r['setting']:<8}{best(r) / best(base):>7.2f}x{paired_:>21}"
+              f"{r['tandem_prefill'] / base['tandem_prefill']:>8.2f}x"
               f"{timed:>7.2f}{b['step_ms']:>7.2f}{b['products_ms']:>8.2f} ({b['products_gbps']:>4.1f})"
               f"{b['attention_ms']:>8.2f} ({b['attention_gbps']:>4.1f}){b['elementwise_ms']:>14.2f}"
               f"{b['rest_ms']:>10.2f}")  # fmt: skip
@@ -334,27 +382,18 @@ def record(name: str, runs: list[tuple[dict, dict]]) -> dict:
 
 
 def plot(records: list[dict], path: Path, meta: dict) -> None:
-    import matplotlib
+    from plots import Panel, bar_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["setting"] for r in records]
-    for ax, (what, ours, theirs) in zip(
-        axes, [("decode tok/s (batch 1, 512 context)", "tandem_decode_compiled", "llama_decode"),
-               ("prefill tok/s (512-token prompt)", "tandem_prefill", "llama_prefill")], strict=True,
-    ):  # fmt: skip
-        xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], [r[ours] for r in records], 0.4, label="Tandem")
-        ax.bar([x + 0.2 for x in xs], [r[theirs] for r in records], 0.4, label="llama.cpp")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(names)
-        ax.set_title(what)
-        ax.legend()
-    fig.suptitle(f"Tandem vs llama.cpp, SmolLM2-135M-Instruct ({meta['cpu']}, {meta['threads']} threads)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    sides = ("Tandem", "llama.cpp")
+    bar_panels(path, names, [
+        Panel([r["tandem_decode_compiled"] for r in records], "tok/s", "decode (batch 1, 512 context)",
+              beside=[r["llama_decode"] for r in records], labels=sides),
+        Panel([r["tandem_prefill"] for r in records], "tok/s", "prefill (512-token prompt)",
+              beside=[r["llama_prefill"] for r in records], labels=sides),
+        Panel([r["paired"]["speedup"] for r in records], f"x {names[0]}'s step", "Tandem's step, paired",
+              marks=[SPEEDUP_GOALS.get(n, 1.0) for n in names], marks_label="goal"),
+    ], f"Tandem vs llama.cpp, SmolLM2-135M-Instruct ({meta['cpu']}, {meta['threads']} threads)")  # fmt: skip
 
 
 if __name__ == "__main__":
