@@ -5,15 +5,16 @@ flash attention (the op with `torch_flash`), alone and inside a whole first pass
 
 1. The op, bfloat16, SmolLM2-135M's heads (9 query heads over 3 KV heads of 64 dims), a paged cache of
    16-token blocks: chunks of new tokens after cached ones (a turn of a chat: 72 after 496; a
-   prompt: 512 from nothing), both paths interleaved, the median of each. The own kernel is
-   AVX512-BF16 pair products where the CPU has them, float32 vectors otherwise; torch's runs its
-   products through oneDNN, on AMX tiles where the CPU has them.
+   prompt: 512 from nothing), both paths interleaved, the median of each. The own kernel runs its
+   products on AMX tiles where the CPU has them and the kernels may use them
+   (`cpu_kernels.tile_amx()`), else as AVX512-BF16 pair products where the CPU has them, else in
+   float32 vectors; torch's runs its products through oneDNN, on AMX tiles where the CPU has them.
 2. One engine step prefilling a chunk (`--model`, bfloat16; the demo preset without one): the time
    from the request's admission to its first token, for each path.
 
-`cluster.model.cpu_kernels.torch_flash()` picks torch's on a CPU with AMX tiles: this benchmark is
-what says so, per kind of CPU. Prints a table, writes `benchmarks/results/prefill_attention{suffix}.{json,png}`
-(`cluster.cpu.results_suffix()`).
+`cluster.model.cpu_kernels.torch_flash()` picks torch's only on a CPU with AMX tiles the own kernel
+cannot use: this benchmark is what says so, per kind of CPU. Prints a table, writes
+`benchmarks/results/prefill_attention{suffix}.{json,png}` (`cluster.cpu.results_suffix()`).
 """
 
 from __future__ import annotations

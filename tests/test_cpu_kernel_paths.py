@@ -3,8 +3,10 @@
 The kernels' vector paths are chosen at run time by the CPU's flags (`cpu_kernels.VARIANTS`):
 AVX-512 with AVX512-BF16, AVX-512 without, AVX2. A process loads one, so the suite's own run checks
 the best this CPU runs (`test_cpu_kernels.py`), and this module runs that module again in a process
-of its own for each other variant the CPU runs, and for the portable plain loops. A variant this
-CPU lacks is skipped with its reason."""
+of its own for each other variant the CPU runs, and for the portable plain loops. On a CPU with AMX
+tiles, where the AVX512-BF16 build runs its bfloat16 prompt products and attention on the tiles, those
+tests run once more with the tiles turned off (`TANDEM_CPU_TILES=0`): the paths a CPU without tiles
+takes. A variant this CPU lacks is skipped with its reason."""
 
 from __future__ import annotations
 
@@ -46,12 +48,20 @@ def test_the_variant_is_chosen_by_the_cpus_flags(monkeypatch):
     assert cpu_kernels.variant() is None
 
 
-VARIANTS = [*cpu_kernels.VARIANTS, "portable"]
+OFF_THE_TILES = "avx512_bf16 off the tiles"
+VARIANTS = [*cpu_kernels.VARIANTS, "portable", OFF_THE_TILES]
+# name -> (the kernels' variant, more environment, the tests it runs: a pytest -k expression or all)
+RUNS = {name: (name, {}, None) for name in VARIANTS} | {
+    OFF_THE_TILES: ("avx512_bf16", {"TANDEM_CPU_TILES": "0"}, "prefill or tile or paged or the_kernels_run")
+}
 
 
 def why_not(name: str) -> str | None:
     """Why this process does not run `name`'s kernel tests again, or None if it does."""
-    needs = cpu_kernels.VARIANTS[name][0] if name in cpu_kernels.VARIANTS else set()
+    variant = RUNS[name][0]
+    needs = cpu_kernels.VARIANTS[variant][0] if variant in cpu_kernels.VARIANTS else set()
+    if name == OFF_THE_TILES:
+        needs = needs | {"amx_bf16"}
     if not needs <= cpu_flags():
         return f"this CPU lacks {', '.join(sorted(needs - cpu_flags()))}"
     if name == cpu_kernels.variant():
@@ -67,9 +77,11 @@ def runs():
     started = {}
     for name in VARIANTS:
         if why_not(name) is None:
-            env = {**os.environ, "TANDEM_CPU_KERNELS": name, "OMP_NUM_THREADS": "1"}
+            variant, more, only = RUNS[name]
+            env = {**os.environ, "TANDEM_CPU_KERNELS": variant, "OMP_NUM_THREADS": "1", **more}
+            select = ["-k", only] if only else []
             started[name] = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_kernels.py"],
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_kernels.py", *select],
                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
     yield started

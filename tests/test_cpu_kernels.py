@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,12 +210,23 @@ def test_prefill_attention_long_chunks(dtype, torch_flash, heads, kv_heads, dim,
     assert (got.float() - expected).abs().mean() < tol / 10  # rounding, not a wrong weight here and there
 
 
-@pytest.mark.parametrize(("flags", "torch_flash"), [({"avx512_bf16"}, False), ({"avx512_bf16", "amx_bf16"}, True)])
-def test_prompt_chunks_take_torch_flash_attention_where_the_cpu_has_amx_tiles(monkeypatch, flags, torch_flash):
+@pytest.mark.parametrize(
+    ("flags", "tiles", "torch_flash"),
+    [
+        ({"avx512_bf16"}, False, False),
+        ({"avx512_bf16", "amx_bf16"}, True, False),
+        ({"avx512_bf16", "amx_bf16"}, False, True),
+    ],
+    ids=["no tiles", "tiles the kernel runs on", "tiles only torch runs on"],
+)
+def test_prompt_chunks_take_torch_flash_attention_only_where_the_kernel_cannot_use_the_amx_tiles(
+    monkeypatch, flags, tiles, torch_flash
+):
     import cluster.cpu
 
     monkeypatch.setattr(cluster.cpu, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.delitem(cpu_kernels._state, "amx", raising=False)
+    monkeypatch.setattr(cpu_kernels, "tile_amx", lambda: tiles)
     assert cpu_kernels.torch_flash() is torch_flash
 
 
@@ -643,11 +659,20 @@ def test_tile_linear_equals_the_bfloat16_product(rows, n, k):
     torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-4 * k**0.5)
 
 
-def test_tile_linear_runs_on_the_tiles_exactly_where_the_cpu_and_the_build_have_them():
+def test_the_kernels_run_on_the_tiles_exactly_where_the_cpu_the_build_and_the_environment_allow():
+    """On the tiles where the CPU has them and this build multiplies bfloat16 pairs, unless
+    `TANDEM_CPU_TILES=0` (as a process started so says); else `tile_linear` and the bfloat16
+    prompt attention run their other paths."""
     from cluster.cpu import cpu_flags
 
     expected = "amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags() and cpu_kernels.variant() == "avx512_bf16"
-    assert torch.ops.tandem_cpu.tile_amx() is expected
+    expected = expected and os.environ.get("TANDEM_CPU_TILES") != "0"
+    assert torch.ops.tandem_cpu.tile_amx() is expected is cpu_kernels.tile_amx()
+    env = {**os.environ, "TANDEM_CPU_TILES": "0"}
+    ask = "from cluster.model import cpu_kernels; print(cpu_kernels.tile_amx())"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", ask], env=env, cwd=root, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False"]
 
 
 def test_tile_kernels_refuse_what_they_cannot_do():

@@ -7,14 +7,15 @@
   against the inputs quantised to int8 per block of 32 columns (`csrc/quantized_linear.cpp`), and
   `dequantize_int8` / `_int4` write such weights out dense in one pass, for a prompt's chunk.
 - `prefill_attention` is paged attention for prompt chunks: each sequence attends at its own length,
-  where one batched call would pad every prompt to the longest; bfloat16 through a flash kernel of
-  AVX512-BF16 pair products where the CPU has them, other float caches (and sliding windows) through
-  a flash kernel in float32 vectors, an int8 cache through torch's flash attention. With
-  `torch_flash` (`torch_flash()`: a CPU with AMX tiles) bfloat16 goes through torch's flash attention
-  too, whose products run on the tiles.
+  where one batched call would pad every prompt to the longest; bfloat16 through a flash kernel whose
+  products run on AMX tiles, or as AVX512-BF16 pair products, where the CPU has them, other float
+  caches (and sliding windows) through a flash kernel in float32 vectors, an int8 cache through
+  torch's flash attention. With `torch_flash` (`torch_flash()`: a CPU with AMX tiles the kernels
+  cannot use) bfloat16 goes through torch's flash attention too, whose products run on the tiles.
 - `tile_pack` and `tile_linear` run a prompt chunk's bfloat16 products on AMX tiles, on weights packed
-  once (`csrc/tile_linear.h`, `cluster.model.prepack`); `tile_amx` says whether they run on the tiles
-  here (elsewhere `tile_linear` runs plain loops over the same layout).
+  once (`csrc/tile_linear.h`, `cluster.model.prepack`); `tile_amx` (`tile_amx()`) says whether the
+  kernels run on the tiles here (elsewhere `tile_linear` runs plain loops over the same layout).
+  `TANDEM_CPU_TILES=0` keeps them off the tiles (the tests run the other paths on such a CPU so).
 - `rms_norm`, `rope` and `silu_mul` are a decoder layer's element-wise steps, one pass each, for
   eager passes (`csrc/elementwise.h`); compiled graphs fuse the same steps themselves.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
@@ -113,11 +114,21 @@ def amx() -> bool:
     return _state["amx"]
 
 
+def tile_amx() -> bool:
+    """Whether the kernels run their AMX tile paths here (`tandem_cpu::tile_amx`: built with
+    AVX512-BF16, on a CPU with the tiles, granted by Linux, not turned off by `TANDEM_CPU_TILES=0`)."""
+    if "tile_amx" not in _state:
+        _state["tile_amx"] = used() and bool(torch.ops.tandem_cpu.tile_amx())
+    return _state["tile_amx"]
+
+
 def torch_flash() -> bool:
-    """Whether bfloat16 prompt chunks attend through torch's flash attention rather than the
-    AVX512-BF16 kernel: on a CPU with AMX tiles, whose products torch's runs on (2.0-2.4x faster on
-    chunks of 64 tokens or more, `benchmarks/prefill_attention.py`)."""
-    return amx()
+    """Whether bfloat16 prompt chunks attend through torch's flash attention rather than Tandem's flash
+    kernel: on a CPU with AMX tiles that the kernel cannot use, where torch's still runs its products
+    on them (2.0-2.4x faster than the kernel's AVX512-BF16 pair products on chunks of 64 tokens or
+    more). Where the kernel runs on the tiles it is 1.3-1.9x faster than torch's
+    (`benchmarks/prefill_attention.py`)."""
+    return amx() and not tile_amx()
 
 
 def _load() -> bool:

@@ -52,13 +52,7 @@ def wanted(setting: str, dtype: torch.dtype, device: str) -> bool:
 def tiles(weight: torch.Tensor) -> bool:
     """Whether `weight` is packed for the AMX tile kernel rather than for oneDNN."""
     n, k = weight.shape
-    return (
-        weight.dtype == torch.bfloat16
-        and n % TILE_COLUMNS == 0
-        and k % TILE_DEPTH == 0
-        and cpu_kernels.used()
-        and torch.ops.tandem_cpu.tile_amx()
-    )
+    return weight.dtype == torch.bfloat16 and n % TILE_COLUMNS == 0 and k % TILE_DEPTH == 0 and cpu_kernels.tile_amx()
 
 
 def pack(weight: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:

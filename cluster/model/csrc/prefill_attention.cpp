@@ -3,14 +3,15 @@
 // Each sequence attends on its own, at its own length: padding every sequence of a pass to the
 // longest one, as one batched call would, costs up to (longest / mean)^2 times the arithmetic for
 // prompts of mixed lengths. bfloat16 caches without a sliding window (head_dim a multiple of 64) go
-// through the flash kernel below, which runs both products as AVX512-BF16 pair products (about 5x
-// torch's CPU flash attention on 512-token prompts). Other float32, bfloat16 and float16 caches,
-// with a sliding window or without, go through a flash kernel in float32 vectors (AVX2 or AVX-512;
-// `flash_vectors.h`): 1.5x torch's on a 512-token prompt on an AVX2 machine (AMD Zen 3), packing included.
-// On a CPU with AMX tiles the caller passes `torch_flash` for bfloat16: torch's flash attention runs its
-// products on the tiles (oneDNN's brgemm) and outruns the pair products 2.0-2.4x, the gather included
-// (72 new tokens after 496 cached: 0.50 against 1.12 ms a layer on an Intel Xeon, one thread).
-// An int8 cache is gathered and dequantised, and goes through torch's flash attention: with its
+// through the flash kernel below, which runs both products on AMX tiles where the CPU has them and
+// Linux grants them (`tandem::tiles::amx()`), else as AVX512-BF16 pair products (about 5x torch's CPU
+// flash attention on 512-token prompts). On the tiles it outruns torch's flash attention, whose
+// products run on the same tiles (oneDNN's brgemm), 1.3-1.9x (72 new tokens after 496 cached: 0.45
+// against 0.66 ms a layer on an Intel Xeon, one thread), where the pair products ran 2.0-2.4x slower
+// than torch's. Other float32, bfloat16 and float16 caches, with a sliding window or without, go
+// through a flash kernel in float32 vectors (AVX2 or AVX-512; `flash_vectors.h`): 1.5x torch's on a
+// 512-token prompt on an AVX2 machine (AMD Zen 3), packing included. With `torch_flash` (an AMX CPU
+// whose tiles these kernels cannot use) bfloat16 goes through torch's flash attention. An int8 cache is gathered and dequantised, and goes through torch's flash attention: with its
 // causal rule for a chunk that starts at position 0, else with an explicit mask (query i, at
 // position num_cached + i, sees the keys at or before it, and within the window).
 //
@@ -24,11 +25,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
 
 #include "flash_vectors.h"
+#include "tile_linear.h"
 #include "vec.h"
 
 namespace {
@@ -91,8 +94,8 @@ inline void score_rows(const uint32_t* const* q, const uint32_t* kp, int64_t pai
     }
   }
   for (int r = 0; r < kScoreRows; ++r) {
-    _mm512_storeu_ps(s + r * s_stride, acc[r][0]);
-    _mm512_storeu_ps(s + r * s_stride + 16, acc[r][1]);
+    _mm512_storeu_ps(s + r * kKeyBlock, acc[r][0]);
+    _mm512_storeu_ps(s + r * kKeyBlock + 16, acc[r][1]);
   }
 }
 
@@ -149,12 +152,86 @@ inline void softmax_block_row(float* scores, int64_t visible, float scale, float
   *sum = *sum * rescale + _mm512_reduce_add_ps(vsum);
   *top = new_top;
   if (rescale != 1.f)
-    for (int64_t d = 0; d < dim; ++d) o[d] *= rescale;
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(rescale)));
 }
+
+#if defined(TANDEM_TILES)
+// The same two products on AMX tiles, sixteen rows at a time (rows padded to a multiple of 16, the
+// queries gathered into `q` [rows, dim]): all eight tiles 16 rows of 64 bytes; 0 the rows' tile, 1 a
+// keys' or values' tile, 4-7 sums. The packed keys are the tiles' right-hand layout as they are
+// (a dim pair of 16 keys a line), and so are the values (two keys' values of 16 dims a line).
+
+// s[r][0, kKeyBlock) = <q row r, keys [key0, key0 + kKeyBlock)>, rows [0, padded_rows).
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_scores(const c10::BFloat16* q, int64_t padded_rows,
+                                                                     const uint32_t* kp, int64_t dim, int64_t key0,
+                                                                     float* s) {
+  static_assert(kKeyBlock == 64, "a block's scores: four tiles of 16 keys");
+  const int64_t pairs = dim / 2;
+  for (int64_t r = 0; r < padded_rows; r += 16) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t c = 0; c < dim; c += 32) {  // 32 dims a step: 16 pairs
+      _tile_loadd(0, q + r * dim + c, dim * 2);
+      const uint32_t* keys = kp + key0 / 16 * pairs * 16 + c / 2 * 16;
+      _tile_loadd(1, keys, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, keys + pairs * 16, 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(1, keys + 2 * pairs * 16, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_loadd(1, keys + 3 * pairs * 16, 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, s + r * kKeyBlock, kKeyBlock * 4);
+    _tile_stored(5, s + r * kKeyBlock + 16, kKeyBlock * 4);
+    _tile_stored(6, s + r * kKeyBlock + 32, kKeyBlock * 4);
+    _tile_stored(7, s + r * kKeyBlock + 48, kKeyBlock * 4);
+  }
+}
+
+// o[r][0, dim) += sum over the block's key pairs of p[r][pair] * values, rows [0, padded_rows).
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_accumulate(const uint32_t* p, int64_t padded_rows,
+                                                                         const uint32_t* vp, int64_t dim, float* o) {
+  for (int64_t r = 0; r < padded_rows; r += 16)
+    for (int64_t d = 0; d < dim; d += 64) {  // 64 dims: four tiles of sums
+      float* sums = o + r * dim + d;
+      _tile_loadd(4, sums, dim * 4);
+      _tile_loadd(5, sums + 16, dim * 4);
+      _tile_loadd(6, sums + 32, dim * 4);
+      _tile_loadd(7, sums + 48, dim * 4);
+      for (int64_t j = 0; j < kKeyBlock / 2; j += 16) {  // 32 keys a step: 16 pairs
+        _tile_loadd(0, p + r * kKeyBlock / 2 + j, kKeyBlock / 2 * 4);
+        const uint32_t* values = vp + j * dim + d;
+        _tile_loadd(1, values, dim * 4);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(1, values + 16, dim * 4);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(1, values + 32, dim * 4);
+        _tile_dpbf16ps(6, 0, 1);
+        _tile_loadd(1, values + 48, dim * 4);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+      _tile_stored(4, sums, dim * 4);
+      _tile_stored(5, sums + 16, dim * 4);
+      _tile_stored(6, sums + 32, dim * 4);
+      _tile_stored(7, sums + 48, dim * 4);
+    }
+}
+
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
+#endif
 
 void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                     const int64_t* table, int64_t block_size, int64_t n, int64_t cached, int64_t heads,
                     int64_t kv_heads, int64_t dim, float scale, c10::BFloat16* out) {
+#if defined(TANDEM_TILES)
+  const bool tiles = tandem::tiles::amx();
+#else
+  const bool tiles = false;
+#endif
   const int64_t ctx = cached + n, padded = (ctx + kKeyBlock - 1) / kKeyBlock * kKeyBlock, pairs = dim / 2;
   const int64_t groups = heads / kv_heads, q_blocks = (n + kQueryBlock - 1) / kQueryBlock;
   std::vector<uint32_t> kp(kv_heads * padded * pairs), vp(kv_heads * padded * pairs);
@@ -163,21 +240,27 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
       pack_head(k_cache, v_cache, table, block_size, kv_heads, h, dim, ctx, padded, &kp[h * padded * pairs],
                 &vp[h * padded * pairs]);
   });
-  const int64_t max_rows = (groups * kQueryBlock + kScoreRows - 1) / kScoreRows * kScoreRows;
+  const int64_t row_step = tiles ? 16 : kScoreRows;  // rows a product takes at a time
+  const int64_t max_rows = (groups * kQueryBlock + row_step - 1) / row_step * row_step;
   at::parallel_for(0, kv_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(max_rows * kKeyBlock), o(max_rows * dim), top(max_rows), sum(max_rows);
     std::vector<uint32_t> p(max_rows * kKeyBlock / 2), zero(pairs, 0u);
     std::vector<const uint32_t*> q_rows(max_rows);
+    std::vector<c10::BFloat16> q_tiles(tiles ? max_rows * dim : 0);  // the rows gathered, for the tiles
     std::vector<int64_t> position(max_rows);
+#if defined(TANDEM_TILES)
+    if (tiles) tandem::tiles::configure_tiles();
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / q_blocks, first = task % q_blocks * kQueryBlock;
       const int64_t nq = std::min(kQueryBlock, n - first), rows = groups * nq;
-      const int64_t padded_rows = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
+      const int64_t padded_rows = (rows + row_step - 1) / row_step * row_step;
       for (int64_t r = 0; r < padded_rows; ++r) {  // row r: query head h * groups + r / nq, position r % nq
         const bool real = r < rows;
         position[r] = real ? cached + first + r % nq : -1;
         q_rows[r] = real ? reinterpret_cast<const uint32_t*>(q + ((first + r % nq) * heads + h * groups + r / nq) * dim)
                          : zero.data();
+        if (tiles) std::memcpy(&q_tiles[r * dim], q_rows[r], dim * sizeof(c10::BFloat16));
       }
       std::fill(o.begin(), o.end(), 0.f);
       std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
@@ -186,14 +269,20 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
       const uint32_t* vh = &vp[h * padded * pairs];
       const int64_t last = cached + first + nq - 1;  // the task's last position: keys past it are unseen
       for (int64_t key0 = 0; key0 <= last; key0 += kKeyBlock) {
-        for (int64_t r = 0; r < padded_rows; r += kScoreRows)
+#if defined(TANDEM_TILES)
+        if (tiles) tile_scores(q_tiles.data(), padded_rows, kh, dim, key0, s.data());
+#endif
+        for (int64_t r = 0; r < padded_rows && !tiles; r += kScoreRows)
           for (int64_t k = 0; k < kKeyBlock; k += 32)
             score_rows(&q_rows[r], kh, pairs, key0 + k, &s[r * kKeyBlock + k], kKeyBlock);
         for (int64_t r = 0; r < rows; ++r)  // keys up to the row's own position are seen
           softmax_block_row(&s[r * kKeyBlock], std::min(kKeyBlock, position[r] - key0 + 1), scale, &top[r], &sum[r],
                             &p[r * kKeyBlock / 2], &o[r * dim], dim);
         for (int64_t r = rows; r < padded_rows; ++r) std::fill(&p[r * kKeyBlock / 2], &p[(r + 1) * kKeyBlock / 2], 0u);
-        for (int64_t r = 0; r < padded_rows; r += kOutRows)
+#if defined(TANDEM_TILES)
+        if (tiles) tile_accumulate(p.data(), padded_rows, vh + key0 / 2 * dim, dim, o.data());
+#endif
+        for (int64_t r = 0; r < padded_rows && !tiles; r += kOutRows)
           for (int64_t d = 0; d < dim; d += 64)
             accumulate_rows(&p[r * kKeyBlock / 2], kKeyBlock / 2, vh + key0 / 2 * dim + d, dim, kKeyBlock / 2,
                             &o[r * dim + d], dim);
@@ -204,6 +293,9 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<c10::BFloat16>(o[r * dim + d] * inv);
       }
     }
+#if defined(TANDEM_TILES)
+    if (tiles) release_tiles();
+#endif
   });
 }
 #endif

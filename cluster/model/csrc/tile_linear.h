@@ -22,7 +22,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__linux__)
@@ -69,10 +71,13 @@ inline at::Tensor tile_pack(const at::Tensor& weight) {
 }
 
 #if defined(TANDEM_TILES)
-// Whether this process may use the tiles: the CPU has them (CPUID leaf 7: AMX-BF16, AMX-TILE), and
-// Linux grants their state on request, once.
+// Whether this process may use the tiles: the CPU has them (CPUID leaf 7: AMX-BF16, AMX-TILE), Linux
+// grants their state on request (asked once), and TANDEM_CPU_TILES is not 0 (the tests run the other
+// paths on such a CPU that way).
 inline bool tiles_granted() {
   static const bool granted = [] {
+    const char* wanted = std::getenv("TANDEM_CPU_TILES");
+    if (wanted != nullptr && std::string(wanted) == "0") return false;
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
     constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
@@ -88,6 +93,20 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Tiles 0-7 of 16 rows of 64 bytes, for this thread. The configuration is a constant built once: GCC
+// 12 has dropped the stores of a configuration built on the stack just before `ldtilecfg` read it.
+__attribute__((target("amx-tile"))) inline void configure_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = kLine;
+      c.rows[t] = kRows;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
 // Output columns [32 j0, 32 j1) (pairs of 16-column tiles) for every row of `x` (`rows_padded` rows,
 // a multiple of 16, zero past `rows`): two row tiles by two column tiles at a time, the four sums in
 // tiles 0-3, the row tiles in 4-5, the weight tiles in 6-7.
@@ -95,12 +114,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_columns(const c10:
                                                                       int64_t rows_padded, int64_t k,
                                                                       const c10::BFloat16* packed, int64_t j0,
                                                                       int64_t j1, c10::BFloat16* y, int64_t n) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = kLine;
-    config.rows[t] = kRows;
-  }
-  _tile_loadconfig(&config);
+  configure_tiles();
   const int64_t depth = k / kDepth, tile_elems = kCols * kDepth, x_stride = k * 2;
   alignas(64) float sums[2 * kRows][2 * kCols];
   for (int64_t j = j0; j < j1; ++j) {
