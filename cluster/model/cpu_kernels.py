@@ -126,7 +126,7 @@ def torch_flash() -> bool:
     """Whether bfloat16 prompt chunks attend through torch's flash attention rather than Tandem's flash
     kernel: on a CPU with AMX tiles that the kernel cannot use, where torch's still runs its products
     on them (2.0-2.4x faster than the kernel's AVX512-BF16 pair products on chunks of 64 tokens or
-    more). Where the kernel runs on the tiles it is 1.3-1.9x faster than torch's
+    more). Where the kernel runs on the tiles it is 1.4-2.2x faster than torch's
     (`benchmarks/prefill_attention.py`)."""
     return amx() and not tile_amx()
 

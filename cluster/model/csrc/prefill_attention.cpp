@@ -6,8 +6,8 @@
 // through the flash kernel below, which runs both products on AMX tiles where the CPU has them and
 // Linux grants them (`tandem::tiles::amx()`), else as AVX512-BF16 pair products (about 5x torch's CPU
 // flash attention on 512-token prompts). On the tiles it outruns torch's flash attention, whose
-// products run on the same tiles (oneDNN's brgemm), 1.3-1.9x (72 new tokens after 496 cached: 0.45
-// against 0.66 ms a layer on an Intel Xeon, one thread), where the pair products ran 2.0-2.4x slower
+// products run on the same tiles (oneDNN's brgemm), 1.4-2.2x (72 new tokens after 496 cached: 0.41
+// against 0.70 ms a layer on an Intel Xeon, one thread), where the pair products ran 2.0-2.4x slower
 // than torch's. Other float32, bfloat16 and float16 caches, with a sliding window or without, go
 // through a flash kernel in float32 vectors (AVX2 or AVX-512; `flash_vectors.h`): 1.5x torch's on a
 // 512-token prompt on an AVX2 machine (AMD Zen 3), packing included. With `torch_flash` (an AMX CPU
@@ -61,19 +61,42 @@ constexpr int64_t kOutRows = 4;      // rows per output micro-kernel (x 64 dims:
 
 // Keys of one head as [key tile of 16][dim pair][16] pairs: one vector holds a dim pair of 16 keys.
 // Values as [key pair][dim] pairs: one vector holds two keys' values of 16 dims. Zero past ctx.
+// A key tile's dim pairs are gathered sixteen keys at a time; two keys' values are interleaved by
+// one permutation per 32 dims.
 void pack_head(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t block_size,
                int64_t kv_heads, int64_t h, int64_t dim, int64_t ctx, int64_t padded, uint32_t* kp, uint32_t* vp) {
   const int64_t pairs = dim / 2;
-  std::fill(kp, kp + padded * pairs, 0u);
-  std::fill(vp, vp + padded * pairs, 0u);
-  for (int64_t j = 0; j < ctx; ++j) {
-    const int64_t row = ((table[j / block_size] * block_size + j % block_size) * kv_heads + h) * dim;
-    const uint32_t* k = reinterpret_cast<const uint32_t*>(k_cache + row);
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(v_cache + row);
-    uint32_t* kt = kp + (j / 16) * pairs * 16 + j % 16;
-    for (int64_t d = 0; d < pairs; ++d) kt[d * 16] = k[d];
-    uint16_t* vt = reinterpret_cast<uint16_t*>(vp + (j / 2) * dim) + j % 2;
-    for (int64_t d = 0; d < dim; ++d) vt[2 * d] = v[d];
+  // position j's row of this head, in bfloat16s from the cache's start
+  const auto row = [&](int64_t j) { return ((table[j / block_size] * block_size + j % block_size) * kv_heads + h) * dim; };
+  const auto* keys = reinterpret_cast<const int*>(k_cache);
+  for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+    alignas(64) int64_t at[16] = {};  // each key's row, in pairs (64-bit: a large cache passes 2^31 of them)
+    const __mmask16 real = j0 >= ctx ? 0 : ctx - j0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (ctx - j0)) - 1);
+    for (int64_t i = 0; i < 16 && j0 + i < ctx; ++i) at[i] = row(j0 + i) / 2;
+    const __m512i first = _mm512_load_si512(at), second = _mm512_load_si512(at + 8);
+    const __m256i zero = _mm256_setzero_si256();
+    uint32_t* kt = kp + j0 * pairs;
+    for (int64_t d = 0; d < pairs; ++d) {
+      const __m512i step = _mm512_set1_epi64(d);
+      const __m256i a = _mm512_mask_i64gather_epi32(zero, real & 0xff, _mm512_add_epi64(first, step), keys, 4);
+      const __m256i b = _mm512_mask_i64gather_epi32(zero, real >> 8, _mm512_add_epi64(second, step), keys, 4);
+      _mm512_storeu_si512(kt + d * 16, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+  }
+  // the even key's value in a pair's low half: lanes 0-15 of the two rows for the first 32 dims, 16-31 next
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  const __m512i none = _mm512_setzero_si512();
+  for (int64_t j = 0; j < padded; j += 2) {
+    const c10::BFloat16* even = j < ctx ? v_cache + row(j) : nullptr;
+    const c10::BFloat16* odd = j + 1 < ctx ? v_cache + row(j + 1) : nullptr;
+    uint32_t* vt = vp + j / 2 * dim;
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512i a = even ? _mm512_loadu_si512(even + d) : none, b = odd ? _mm512_loadu_si512(odd + d) : none;
+      _mm512_storeu_si512(vt + d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(vt + d + 16, _mm512_permutex2var_epi16(a, high, b));
+    }
   }
 }
 
@@ -136,7 +159,9 @@ inline void softmax_block_row(float* scores, int64_t visible, float scale, float
     std::fill(p, p + kKeyBlock / 2, 0u);
     return;
   }
-  const float rescale = *top == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*top - new_top);
+  const float rescale = *top == -std::numeric_limits<float>::infinity() ? 0.f
+                        : *top == new_top                                 ? 1.f
+                                                                          : std::exp(*top - new_top);
   const __m512 top16 = _mm512_set1_ps(new_top);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t k = 0; k < kKeyBlock; k += 32) {
