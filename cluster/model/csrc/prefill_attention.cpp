@@ -11,9 +11,10 @@
 // than torch's. Other float32, bfloat16 and float16 caches, with a sliding window or without, go
 // through a flash kernel in float32 vectors (AVX2 or AVX-512; `flash_vectors.h`): 1.5x torch's on a
 // 512-token prompt on an AVX2 machine (AMD Zen 3), packing included. With `torch_flash` (an AMX CPU
-// whose tiles these kernels cannot use) bfloat16 goes through torch's flash attention. An int8 cache is gathered and dequantised, and goes through torch's flash attention: with its
-// causal rule for a chunk that starts at position 0, else with an explicit mask (query i, at
-// position num_cached + i, sees the keys at or before it, and within the window).
+// whose tiles these kernels cannot use) bfloat16 goes through torch's flash attention. An int8 cache
+// is gathered and dequantised, and goes through torch's flash attention: with its causal rule for a
+// chunk that starts at position 0, else with an explicit mask (query i, at position num_cached + i,
+// sees the keys at or before it, and within the window).
 //
 // The CPU implementation of `tandem_cpu::prefill_attention`, which `cluster/model/cpu_kernels.py` defines,
 // builds and loads.
@@ -66,8 +67,9 @@ constexpr int64_t kOutRows = 4;      // rows per output micro-kernel (x 64 dims:
 void pack_head(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t block_size,
                int64_t kv_heads, int64_t h, int64_t dim, int64_t ctx, int64_t padded, uint32_t* kp, uint32_t* vp) {
   const int64_t pairs = dim / 2;
-  // position j's row of this head, in bfloat16s from the cache's start
-  const auto row = [&](int64_t j) { return ((table[j / block_size] * block_size + j % block_size) * kv_heads + h) * dim; };
+  const auto row = [&](int64_t j) {  // position j's row of this head, in bfloat16s from the cache's start
+    return ((table[j / block_size] * block_size + j % block_size) * kv_heads + h) * dim;
+  };
   const auto* keys = reinterpret_cast<const int*>(k_cache);
   for (int64_t j0 = 0; j0 < padded; j0 += 16) {
     alignas(64) int64_t at[16] = {};  // each key's row, in pairs (64-bit: a large cache passes 2^31 of them)
@@ -84,8 +86,8 @@ void pack_head(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const
     }
   }
   // the even key's value in a pair's low half: lanes 0-15 of the two rows for the first 32 dims, 16-31 next
-  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
-                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   const __m512i none = _mm512_setzero_si512();
   for (int64_t j = 0; j < padded; j += 2) {

@@ -241,9 +241,11 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
           const uint8_t* row = nibbles + (n + j) * half;
           prefetch_ahead(row + b);
           const __m512i wv = load(row + b);
-          const __m512i even = _mm512_and_si512(wv, four_bits), odd = _mm512_and_si512(_mm512_srli_epi16(wv, 4), four_bits);
+          const __m512i even = _mm512_and_si512(wv, four_bits);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(wv, 4), four_bits);
           const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, xe), odd, xo);
-          acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), group_scales(wscale + (n + j) * groups, b), acc[j]);
+          const __m512 scales = group_scales(wscale + (n + j) * groups, b);
+          acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs), scales, acc[j]);
         }
       };
       int64_t b = 0;
