@@ -119,8 +119,8 @@ inline void score_rows(const uint32_t* const* q, const uint32_t* kp, int64_t pai
     }
   }
   for (int r = 0; r < kScoreRows; ++r) {
-    _mm512_storeu_ps(s + r * kKeyBlock, acc[r][0]);
-    _mm512_storeu_ps(s + r * kKeyBlock + 16, acc[r][1]);
+    _mm512_storeu_ps(s + r * s_stride, acc[r][0]);
+    _mm512_storeu_ps(s + r * s_stride + 16, acc[r][1]);
   }
 }
 
@@ -248,7 +248,6 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_accumulate(const u
     }
 }
 
-__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
 #endif
 
 void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
@@ -297,22 +296,26 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
       const int64_t last = cached + first + nq - 1;  // the task's last position: keys past it are unseen
       for (int64_t key0 = 0; key0 <= last; key0 += kKeyBlock) {
 #if defined(TANDEM_TILES)
-        if (tiles) tile_scores(q_tiles.data(), padded_rows, kh, dim, key0, s.data());
+        if (tiles)
+          tile_scores(q_tiles.data(), padded_rows, kh, dim, key0, s.data());
+        else
 #endif
-        for (int64_t r = 0; r < padded_rows && !tiles; r += kScoreRows)
-          for (int64_t k = 0; k < kKeyBlock; k += 32)
-            score_rows(&q_rows[r], kh, pairs, key0 + k, &s[r * kKeyBlock + k], kKeyBlock);
+          for (int64_t r = 0; r < padded_rows; r += kScoreRows)
+            for (int64_t k = 0; k < kKeyBlock; k += 32)
+              score_rows(&q_rows[r], kh, pairs, key0 + k, &s[r * kKeyBlock + k], kKeyBlock);
         for (int64_t r = 0; r < rows; ++r)  // keys up to the row's own position are seen
           softmax_block_row(&s[r * kKeyBlock], std::min(kKeyBlock, position[r] - key0 + 1), scale, &top[r], &sum[r],
                             &p[r * kKeyBlock / 2], &o[r * dim], dim);
         for (int64_t r = rows; r < padded_rows; ++r) std::fill(&p[r * kKeyBlock / 2], &p[(r + 1) * kKeyBlock / 2], 0u);
 #if defined(TANDEM_TILES)
-        if (tiles) tile_accumulate(p.data(), padded_rows, vh + key0 / 2 * dim, dim, o.data());
+        if (tiles)
+          tile_accumulate(p.data(), padded_rows, vh + key0 / 2 * dim, dim, o.data());
+        else
 #endif
-        for (int64_t r = 0; r < padded_rows && !tiles; r += kOutRows)
-          for (int64_t d = 0; d < dim; d += 64)
-            accumulate_rows(&p[r * kKeyBlock / 2], kKeyBlock / 2, vh + key0 / 2 * dim + d, dim, kKeyBlock / 2,
-                            &o[r * dim + d], dim);
+          for (int64_t r = 0; r < padded_rows; r += kOutRows)
+            for (int64_t d = 0; d < dim; d += 64)
+              accumulate_rows(&p[r * kKeyBlock / 2], kKeyBlock / 2, vh + key0 / 2 * dim + d, dim, kKeyBlock / 2,
+                              &o[r * dim + d], dim);
       }
       for (int64_t r = 0; r < rows; ++r) {
         c10::BFloat16* dst = out + ((first + r % nq) * heads + h * groups + r / nq) * dim;
@@ -321,7 +324,7 @@ void flash_sequence(const c10::BFloat16* q, const c10::BFloat16* k_cache, const 
       }
     }
 #if defined(TANDEM_TILES)
-    if (tiles) release_tiles();
+    if (tiles) tandem::tiles::release_tiles();
 #endif
   });
 }

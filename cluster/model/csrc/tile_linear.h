@@ -14,7 +14,8 @@
 // `tile_linear` multiplies through the tiles where it can (`amx`: the kernels built with AVX512-BF16,
 // a CPU with AMX tiles, and their state granted by Linux), else through plain loops over the same
 // layout, which check its arithmetic on every CPU. Included by `skinny_linear.cpp`, which registers
-// the ops.
+// the ops; `prefill_attention.cpp` runs its own products on the tiles through `amx`,
+// `configure_tiles` and `release_tiles`.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -107,6 +108,9 @@ __attribute__((target("amx-tile"))) inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// Gives this thread's tile state back (configured again by `configure_tiles` before the next use).
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
+
 // Output columns [32 j0, 32 j1) (pairs of 16-column tiles) for every row of `x` (`rows_padded` rows,
 // a multiple of 16, zero past `rows`): two row tiles by two column tiles at a time, the four sums in
 // tiles 0-3, the row tiles in 4-5, the weight tiles in 6-7.
@@ -157,7 +161,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_columns(const c10:
       }
     }
   }
-  _tile_release();
+  release_tiles();
 }
 #endif
 
