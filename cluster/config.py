@@ -210,11 +210,12 @@ class CacheConfig(_Part):
     enable_prefix_caching: bool = Field(
         default=True, description="Share full KV blocks between requests with the same prompt prefix."
     )
-    kv_dtype: Literal["auto", "int8"] = Field(
+    kv_dtype: Literal["auto", "int8", "float16", "bfloat16"] = Field(
         default="auto",
-        description="KV cache element type: auto is the model's dtype; int8 stores each token's keys and values "
-        "per head as int8 with a float32 scale (about half the bytes of bfloat16). Prefill and decode workers "
-        "must agree.",
+        description="KV cache element type: auto is the model's dtype; float16 and bfloat16 store a float32 "
+        "model's KV in half the bytes (as llama.cpp's default float16 cache does); int8 stores each token's keys "
+        "and values per head as int8 with a float32 scale (about half the bytes of bfloat16). Prefill and decode "
+        "workers must agree.",
     )
     tiers: TiersConfig = Field(
         default_factory=TiersConfig,

@@ -119,6 +119,24 @@ def test_decode_attention_reads_int8_rows_with_their_scales(dtype):
     torch.testing.assert_close(got.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 24)])
+def test_decode_attention_reads_a_16_bit_cache_under_float32_queries(cache_dtype, heads, kv_heads, head_dim):
+    """`kv_dtype: float16` / `bfloat16` under a float32 model: the rows are widened as they are read and
+    the output is float32, float32 attention over the same rounded rows (AVX512-BF16's pair products
+    round the queries of a bfloat16 cache too)."""
+    q, k_cache, v_cache, meta = _case(torch.float32, heads, kv_heads, head_dim)
+    k16, v16 = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    (g,) = meta.groups
+    got = torch.ops.tandem_cpu.decode_attention(q, k16, v16, g.block_tables, g.masks[None], 0.3)
+    expected = _sdpa(q, k16.float(), v16.float(), meta, None, 0.3)
+    assert got.dtype == torch.float32
+    tol = 1e-5 if cache_dtype == torch.float16 else 1e-2
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="must hold q's dtype"):
+        torch.ops.tandem_cpu.decode_attention(q.bfloat16(), k16.half(), v16.half(), g.block_tables, g.masks[None], 0.3)
+
+
 def test_paged_attention_uses_the_kernel_for_decode_rows_and_matches_torch_without_it(monkeypatch):
     q, k_cache, v_cache, meta = _case(torch.float32, 9, 3, 64)
     k, v = torch.zeros(3, 3, 64), torch.zeros(3, 3, 64)
@@ -234,6 +252,30 @@ def test_prefill_attention_reads_int8_rows_with_their_scales():
     q, k_cache, v_cache, meta = _prefill_case(torch.float32, LATER_CHUNKS)
     got, expected = _prefill(q, quantize_rows(k_cache), quantize_rows(v_cache), meta, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_attention_reads_a_16_bit_cache_under_float32_queries(cache_dtype, window):
+    q, k_cache, v_cache, meta = _prefill_case(torch.float32, LATER_CHUNKS)
+    got, expected = _prefill(q, k_cache.to(cache_dtype), v_cache.to(cache_dtype), meta, window)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_16_bit_cache_under_float32_rows_is_written_rounded_and_read_alike_with_and_without_kernels(monkeypatch):
+    """A pass of decode rows and prompt chunks writes its float32 keys and values rounded into a
+    float16 cache and attends over it: the same outputs with and without the kernels."""
+    chunks = [SeqChunk([4, 9, 1], 13, 8), SeqChunk([3], 5, 1), SeqChunk([7], 0, 5)]
+    q, k_cache, v_cache, meta = _prefill_case(torch.float32, chunks)
+    k = torch.randn(q.shape[0], 3, 64)
+    kv = (k_cache.half(), v_cache.half())
+    with_kernel = paged_attention(q, k, k, kv, meta, 0.125)
+    assert torch.equal(kv[0].view(-1, 3, 64)[meta.slot_mapping], k.half())
+    monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+    without = paged_attention(q, k, k, (k_cache.half(), v_cache.half()), meta, 0.125)
+    assert with_kernel.dtype == without.dtype == torch.float32
+    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_uses_the_prefill_kernel_and_matches_torch_without_it(monkeypatch):

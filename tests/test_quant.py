@@ -111,6 +111,17 @@ def test_quality_on_a_random_weight_model(random_model, setting):
     assert abs(quantised.loss - reference.loss) <= 0.02 * reference.loss
 
 
+@pytest.mark.parametrize(("kv", "min_agree"), [("float16", 0.99), ("bfloat16", 0.95)])
+def test_a_16_bit_cache_under_a_float32_model_predicts_what_the_float32_cache_does(random_model, kv, min_agree):
+    windows = random_windows(512, length=256, count=4)
+    model = load_model(random_model, "float32")
+    reference, half = score(model, windows), score(model, windows, kv)
+    assert agreement(half, reference) >= min_agree
+    assert abs(half.loss - reference.loss) <= 0.005 * reference.loss
+    with pytest.raises(ValueError, match="holds a float32 or float16 model's KV"):
+        score(load_model(random_model, "bfloat16"), windows, "float16")
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_a_quantised_folder_loads_as_it_was_saved(tmp_path, weights):
     model = load_model(DEMO, "bfloat16", weight_dtype=weights, group_size=32)
@@ -144,9 +155,12 @@ class NoText:
         return ""
 
 
-def test_an_int8_cache_prefilled_elsewhere_decodes_like_one_engine():
-    model = load_model(DEMO, "bfloat16", weight_dtype="int8")
-    cache = CacheConfig(block_size=16, num_blocks=128, kv_dtype="int8")
+@pytest.mark.parametrize(("dtype", "weights", "kv"), [("bfloat16", "int8", "int8"), ("float32", "auto", "float16")])
+def test_a_quantised_or_16_bit_cache_prefilled_elsewhere_decodes_like_one_engine(dtype, weights, kv):
+    """The KV crosses from a prefill worker's pool to a decode worker's as it is stored: int8 rows with
+    their scales, or a float32 model's keys and values in float16."""
+    model = load_model(DEMO, dtype, weight_dtype=weights)
+    cache = CacheConfig(block_size=16, num_blocks=128, kv_dtype=kv)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompt = Tokenizer(DEMO).encode("class Stack:\n    def __init__(self):\n        self.items = []\n")
     alone = Engine(model, NoText(), cache, SchedulerConfig())

@@ -33,8 +33,12 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key, value) [bl
 # An int8 KV cache stores each (token, head) row as head_dim int8 values followed by the row's
 # float32 scale (max-abs / 127), four bytes, in one uint8 tensor [blocks, block_size, kv_heads,
 # head_dim + 4]: the paged layout, the block copies and every KV transport move rows as they are.
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "int8", "float16", "bfloat16")
 KV_SCALE_BYTES = 4
+# A 16-bit cache under a float32 model (what `dtype: auto` serves on a CPU without native bfloat16)
+# halves the bytes a decode step reads from it, as llama.cpp's default float16 cache does: keys and
+# values are rounded as they are written and widened as they are read.
+HALF_KV = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,15 @@ def allocate_kv_cache(
     kv_dtype: str = "auto",
     shared: bool = False,
 ) -> KVCache:
-    """Zeroed key and value tensors per layer, in `dtype`, or ("int8") quantised rows with their scales.
-    `shared` (CPU only): in shared memory, for another process to write into (see `shared_zeros`)."""
+    """Zeroed key and value tensors per layer, in `dtype`, in a 16-bit `kv_dtype` (a float32 model's, or
+    its own), or ("int8") quantised rows with their scales. `shared` (CPU only): in shared memory, for
+    another process to write into (see `shared_zeros`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
+    if kv_dtype in HALF_KV:
+        if dtype not in (torch.float32, HALF_KV[kv_dtype]):
+            raise ValueError(f"kv_dtype {kv_dtype} holds a float32 or {kv_dtype} model's KV, not a {dtype} one's")
+        dtype = HALF_KV[kv_dtype]
     if kv_dtype == "int8":
         dtype, head_dim = torch.uint8, head_dim + KV_SCALE_BYTES
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -182,6 +191,8 @@ def _group(
 
 def kv_row_bytes(head_dim: int, dtype_bytes: int, kv_dtype: str) -> int:
     """Bytes of one (token, head) row of keys (or values) in the cache."""
+    if kv_dtype in HALF_KV:
+        return head_dim * 2
     return head_dim + KV_SCALE_BYTES if kv_dtype == "int8" else head_dim * dtype_bytes
 
 
@@ -203,11 +214,13 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each sequence's blocks, [S, max_blocks * block_size, kv_heads, head_dim], in `dtype`: an int8
-    cache is dequantised as it is read (only the blocks the sequences use)."""
+    cache is dequantised as it is read (only the blocks the sequences use), a 16-bit one widened."""
     num_seqs, max_blocks = block_tables.shape
     gathered = cache[block_tables]  # [S, max_blocks, block_size, kv_heads, row]
     if cache.dtype == torch.uint8:
         gathered = dequantize_rows(gathered, dtype)
+    elif cache.dtype != dtype:
+        gathered = gathered.to(dtype)
     return gathered.view(num_seqs, max_blocks * cache.shape[1], cache.shape[2], -1)
 
 
@@ -225,6 +238,8 @@ def paged_attention(
     training = q.requires_grad  # the demo models' training: plain functions, differentiated by autograd
     if k_cache.dtype == torch.uint8:  # an int8 cache: quantised rows with their scales
         k, v = quantize_rows(k), quantize_rows(v)
+    elif k_cache.dtype != k.dtype:  # a 16-bit cache under a float32 model
+        k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
     # Two in-place copies, eager and compiled alike (inlined into a compiled graph): a custom op
     # around them cost 140 us a layer in eager decode steps (its Python wrapper), the copies 20.
     _write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -345,18 +345,32 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(t[i] >= 0 && t[i] < num_blocks, "block table entry ", t[i], " outside the cache's ", num_blocks, " blocks");
   at::Tensor out = at::empty_like(qc);
   const bool int8 = k_cache.scalar_type() == at::kByte;
-  TORCH_CHECK(int8 ? k_cache.size(3) == dim + 4 : k_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == dim,
-              "the KV cache must hold q's dtype, or int8 rows with their scales");
+  const bool half_under_float = q.scalar_type() == at::kFloat &&
+                                (k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(int8 ? k_cache.size(3) == dim + 4
+                   : (k_cache.scalar_type() == q.scalar_type() || half_under_float) && k_cache.size(3) == dim,
+              "the KV cache must hold q's dtype (or float16 or bfloat16 under float32 queries), or int8 rows "
+              "with their scales");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "keys and values must share a dtype");
+  const auto plain = [&](auto query, auto element) {
+    using Q = decltype(query);
+    using C = decltype(element);
+    attend<Q>(qc, PlainRows<C>{k_cache.data_ptr<C>(), dim}, PlainRows<C>{v_cache.data_ptr<C>(), dim}, tables, m,
+              block_size, kv_heads, scale, out);
+  };
   const auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
     if (int8) {
       const int64_t row = k_cache.size(3);
       attend<scalar_t>(qc, Int8Rows{k_cache.data_ptr<uint8_t>(), row, dim},
                        Int8Rows{v_cache.data_ptr<uint8_t>(), row, dim}, tables, m, block_size, kv_heads, scale, out);
-    } else {
-      attend<scalar_t>(qc, PlainRows<scalar_t>{k_cache.data_ptr<scalar_t>(), dim},
-                       PlainRows<scalar_t>{v_cache.data_ptr<scalar_t>(), dim}, tables, m, block_size, kv_heads, scale,
-                       out);
+    } else if (!half_under_float) {
+      plain(scalar_t{}, scalar_t{});
+    } else if constexpr (std::is_same_v<scalar_t, float>) {  // a 16-bit cache under float32 queries
+      if (k_cache.scalar_type() == at::kHalf)
+        plain(float{}, c10::Half{});
+      else
+        plain(float{}, c10::BFloat16{});
     }
   };
   switch (q.scalar_type()) {

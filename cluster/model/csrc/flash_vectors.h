@@ -117,8 +117,9 @@ inline void softmax_row(float* s, int64_t first, int64_t end, float* top, float*
 
 // One sequence's queries at positions [cached, cached + n) over its keys; with a `window`, a query
 // at position p sees the keys in (p - window, p], else all up to p.
-template <typename T>
-void flash_sequence(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size,
+// Queries and output in T, the cache in C (T, or a 16-bit type under float32 queries).
+template <typename T, typename C>
+void flash_sequence(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t block_size,
                     int64_t n, int64_t cached, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                     std::optional<int64_t> window, T* out) {
   const int64_t ctx = cached + n, padded = (ctx + kKeys - 1) / kKeys * kKeys;

@@ -340,7 +340,7 @@ at::Tensor gather(const at::Tensor& cache, const at::Tensor& blocks, int64_t ctx
     at::Tensor scales = rows.narrow(2, dim, kScaleBytes).contiguous().view(at::kFloat);
     rows = (values * scales).to(dtype);
   }
-  return rows.transpose(0, 1);
+  return rows.to(dtype).transpose(0, 1);  // a 16-bit cache under float32 queries: widened
 }
 
 // One sequence through torch's flash attention: its n queries [n, heads, dim] at positions
@@ -377,9 +377,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
               "num_new and num_cached need one entry per sequence");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   const bool int8 = k_cache.scalar_type() == at::kByte;
+  const bool half_under_float = q.scalar_type() == at::kFloat &&
+                                (k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16);
   TORCH_CHECK(int8 ? k_cache.size(3) == dim + kScaleBytes
-                   : k_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == dim,
-              "the KV cache must hold q's dtype, or int8 rows with their scales");
+                   : (k_cache.scalar_type() == q.scalar_type() || half_under_float) && k_cache.size(3) == dim,
+              "the KV cache must hold q's dtype (or float16 or bfloat16 under float32 queries), or int8 rows "
+              "with their scales");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "keys and values must share a dtype");
   TORCH_CHECK(!window || *window > 0, "a sliding window must be positive");
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -424,16 +428,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 #endif
 #if defined(TANDEM_SIMD)
     if (vector_flash) {
-      const auto run = [&](auto zero) {
-        using T = decltype(zero);
-        generic::flash_sequence(qc.data_ptr<T>() + start * heads * dim, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+      const auto run = [&](auto query, auto element) {
+        using T = decltype(query);
+        using C = decltype(element);
+        generic::flash_sequence(qc.data_ptr<T>() + start * heads * dim, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                                 table, block_size, n, cached, heads, kv_heads, dim, static_cast<float>(scale),
                                 window, out.data_ptr<T>() + start * heads * dim);
       };
-      switch (q.scalar_type()) {
-        case at::kFloat: run(float{}); break;
-        case at::kBFloat16: run(c10::BFloat16{}); break;
-        case at::kHalf: run(c10::Half{}); break;
+      const auto same = [&](auto zero) { run(zero, zero); };
+      switch (half_under_float ? k_cache.scalar_type() : q.scalar_type()) {  // a 16-bit cache under float32 queries
+        case at::kFloat: same(float{}); break;
+        case at::kBFloat16: half_under_float ? run(float{}, c10::BFloat16{}) : same(c10::BFloat16{}); break;
+        case at::kHalf: half_under_float ? run(float{}, c10::Half{}) : same(c10::Half{}); break;
         default: TORCH_CHECK(false, "prefill_attention takes float32, bfloat16 or float16 queries");
       }
       start += n;
