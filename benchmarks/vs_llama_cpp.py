@@ -14,9 +14,9 @@ files llama.cpp's own quantiser writes from it (`--allow-requantize`): BF16 and 
     q4_1   llama.cpp on the package's file; Tandem on the file's own Q4_1 blocks kept as int4 (g32),
            its Q8_0 LM head as int8 blocks
 
-By default the unquantised setting is the one `model.dtype: auto` serves on this CPU (bf16 where
-it multiplies bfloat16 natively, f32 elsewhere, as on an AVX2 machine), and Tandem's quantised
-settings run their activations in that dtype too; `--settings` names others.
+By default the unquantised setting is the one `model.dtype: auto` serves on this CPU (bf16 where it multiplies
+bfloat16 natively, f32 elsewhere, as on AVX2), Tandem's quantised settings run their activations in that dtype too,
+and its KV cache is 16-bit as llama-bench's is (float16 under float32: `cache.kv_dtype`); `--settings` names others.
 
 Per setting and round, llama.cpp's `llama-bench` (decode of 128 tokens after a 512-token context,
 and a 512-token prompt) and then Tandem in a process of its own (the decode step at batch 1 with a
@@ -54,6 +54,7 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama
 CACHE = ROOT / ".cache" / "llama.cpp"
 OUT = ROOT / "benchmarks" / "results"
 CONTEXT, GENERATED = 512, 128
+
 PAIRED_TURNS, SPEEDUP_GOALS = 4, {"q8_0": 1.6, "q4_1": 2.4}  # turns per round in `paired`; its goals
 SETTINGS = {  # name: (llama.cpp file type, Tandem's weights)
     "bf16": ("BF16", "bfloat16"),
@@ -61,6 +62,14 @@ SETTINGS = {  # name: (llama.cpp file type, Tandem's weights)
     "q8_0": ("Q8_0", "int8"),
     "q4_1": ("Q4_1", "int4 kept"),
 }
+
+
+def kv_cache(activations: str):  # type: ignore[no-untyped-def]
+    """Tandem's cache for a setting: 16-bit as llama.cpp's (a float32 model's in float16)."""
+    from cluster.config import CacheConfig
+
+    kv = "float16" if activations == "float32" else "auto"
+    return CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2), kv_dtype=kv)
 
 
 def smollm2_gguf() -> Path:
@@ -123,10 +132,7 @@ def gguf_files(tools: Path, source: Path) -> dict[str, Path]:
 
 def llama_bench(tools: Path, model: Path, threads: int) -> dict[str, float]:
     """llama.cpp's tokens per second: decode (`tg`) after a `CONTEXT`-token context, and prefill (`pp`)."""
-    runs = {
-        "decode": ["-p", "0", "-n", str(GENERATED), "-d", str(CONTEXT)],
-        "prefill": ["-p", str(CONTEXT), "-n", "0"],
-    }
+    runs = {"decode": ["-p", "0", "-n", str(GENERATED), "-d", str(CONTEXT)], "prefill": ["-p", str(CONTEXT), "-n", "0"]}
     result: dict[str, float] = {}
     for what, shape in runs.items():
         command = [str(tools / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "3", "-o", "json", *shape]
@@ -178,7 +184,7 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     import torch._inductor.config
     from decode_roofline_measure import _NoText, step_breakdown, tandem_step_time
 
-    from cluster.config import CacheConfig, SchedulerConfig
+    from cluster.config import SchedulerConfig
     from cluster.engine.request import SamplingParams
     from cluster.model import cpu_kernels
     from cluster.model.attention import kv_row_bytes
@@ -189,11 +195,11 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
     torch.set_num_threads(threads)
     quantise = "int8" if weights == "int8" else "auto"
     model = load_model(Path(folder), activations, "cpu", weight_dtype=quantise)
-    cache = CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2))
+    cache = kv_cache(activations)
     out = {"kernels": cpu_kernels.variant() if cpu_kernels.used() else "torch", "activations": activations}
     arch = model.arch  # the step reads every weight as stored (int8, int4 and their scales) and the context's KV
     element = torch.finfo(model.embed_tokens.weight.dtype).bits // 8
-    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, element, "auto")
+    kv = CONTEXT * arch.num_layers * 2 * arch.num_kv_heads * kv_row_bytes(arch.head_dim, element, cache.kv_dtype)
     out["step_bytes"] = weight_bytes(model) + kv
     modes = [("eager", ()), ("compiled", (1,))] + ([("profiled", (1,))] if breakdown else [])
     for mode, buckets in modes:
@@ -227,15 +233,15 @@ def paired(settings: list[tuple[str, str, str, str]], threads: int, turns: int) 
     import torch
     from decode_roofline_measure import _NoText, paired_steps
 
-    from cluster.config import CacheConfig, SchedulerConfig
+    from cluster.config import SchedulerConfig
     from cluster.model.loader import load_model
     from decode_worker.engine import Engine
 
     torch.set_num_threads(threads)
-    cache = CacheConfig(block_size=16, num_blocks=2 * (CONTEXT // 16 + 2))
     engines = {}
     for name, folder, weights, activations in settings:
         model = load_model(Path(folder), activations, "cpu", weight_dtype="int8" if weights == "int8" else "auto")
+        cache = kv_cache(activations)
         engines[name] = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2), compile_buckets=(1,))
         engines[name].runner.compiled.warm_up(engines[name].runner.kv_cache)
     return paired_steps(engines, CONTEXT, turns)
@@ -289,13 +295,10 @@ def main() -> None:
 
     default = ["bf16" if activations == "bfloat16" else "f32", "q8_0", "q4_1"]
     chosen = args.settings.split(",") if args.settings else default
-    unknown = [name for name in chosen if name not in SETTINGS]
-    if unknown:
+    if unknown := [name for name in chosen if name not in SETTINGS]:
         raise SystemExit(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
     samples: dict[str, list[tuple[dict, dict]]] = {name: [] for name in chosen}
-    dtypes = {
-        name: SETTINGS[name][1] if SETTINGS[name][1] in ("float32", "bfloat16") else activations for name in chosen
-    }
+    dtypes = {n: SETTINGS[n][1] if SETTINGS[n][1] in ("float32", "bfloat16") else activations for n in chosen}
     for round_ in range(args.rounds):
         for name in chosen:
             kind, weights = SETTINGS[name]
@@ -311,7 +314,7 @@ def main() -> None:
     print_breakdown(records)
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "activations": activations}
-    meta["llama_cpp_python"] = LLAMA_CPP_PYTHON
+    meta.update(llama_cpp_python=LLAMA_CPP_PYTHON, kv_dtype=kv_cache(activations).kv_dtype)
     stem = OUT / ("vs_llama_cpp" + results_suffix())  # each kind of CPU its own
     stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": records}, indent=1))
     plot(records, stem.with_suffix(".png"), meta)
@@ -343,8 +346,7 @@ def print_breakdown(records: list[dict]) -> None:
     best = lambda r: max(r["tandem_decode_eager"], r["tandem_decode_compiled"])  # noqa: E731
     for r in records:
         b, timed = r["breakdown"], 1e3 / r["rounds"][0][0]["decode_compiled"]
-        low, high = r["paired"]["speedup_range"]
-        paired_ = f"{r['paired']['speedup']:.2f}x ({low:.2f}-{high:.2f})"
+        paired_ = "{:.2f}x ({:.2f}-{:.2f})".format(r["paired"]["speedup"], *r["paired"]["speedup_range"])
         print(f"{r['setting']:<8}{best(r) / best(base):>7.2f}x{paired_:>21}"
               f"{r['tandem_prefill'] / base['tandem_prefill']:>8.2f}x"
               f"{timed:>7.2f}{b['step_ms']:>7.2f}{b['products_ms']:>8.2f} ({b['products_gbps']:>4.1f})"
@@ -364,15 +366,13 @@ def say_unrepacked(records: list[dict]) -> None:
 def record(name: str, runs: list[tuple[dict, dict]]) -> dict:
     median = lambda key, side: statistics.median(run[side][key] for run in runs)  # noqa: E731
     best = max(median("decode_eager", 0), median("decode_compiled", 0))
-    bytes_per_s = best * runs[0][0]["step_bytes"]
-    floor = median("floor_gbps_compiled", 0) * 1e9
     return {
         "setting": name,
         "tandem_decode_eager": median("decode_eager", 0),
         "tandem_decode_compiled": median("decode_compiled", 0),
         "llama_decode": median("decode", 1),
         "decode_ratio": best / median("decode", 1),
-        "roofline": bytes_per_s / floor,
+        "roofline": best * runs[0][0]["step_bytes"] / (median("floor_gbps_compiled", 0) * 1e9),  # of the floor
         "tandem_prefill": median("prefill", 0),
         "llama_prefill": median("prefill", 1),
         "prefill_ratio": median("prefill", 0) / median("prefill", 1),
