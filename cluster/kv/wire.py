@@ -38,10 +38,10 @@ from cluster.model import weights
 from cluster.model.attention import KV_SCALE_BYTES
 
 FORMAT_VERSION = 1
-# A header's dtype names the cache's element type: the model's (`cluster.model.weights.DTYPES`), or
-# "int8": a cache of quantised rows, each head_dim int8 values and a float32 scale (`cluster.model.attention`),
-# carried as uint8 rows of head_dim + 4 bytes.
-DTYPES = {**weights.DTYPES, "float16": torch.float16, "int8": torch.uint8}  # a cache's element types
+# A header's dtype names the cache's element type: the model's (`cluster.model.weights.DTYPES`), "float16"
+# (a float32 model's 16-bit cache, `cache.kv_dtype`), or "int8": a cache of quantised rows, each head_dim int8
+# values and a float32 scale (`cluster.model.attention`), carried as uint8 rows of head_dim + 4 bytes.
+DTYPES = {**weights.DTYPES, "float16": torch.float16, "int8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 assert sys.byteorder == "little", "the wire carries little-endian tensors"
 
