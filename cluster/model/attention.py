@@ -192,7 +192,7 @@ def _group(
 def kv_row_bytes(head_dim: int, dtype_bytes: int, kv_dtype: str) -> int:
     """Bytes of one (token, head) row of keys (or values) in the cache."""
     if kv_dtype in HALF_KV:
-        return head_dim * 2
+        return head_dim * HALF_KV[kv_dtype].itemsize
     return head_dim + KV_SCALE_BYTES if kv_dtype == "int8" else head_dim * dtype_bytes
 
 

@@ -3,6 +3,8 @@
 // (`cluster/attention.py`), and hints that ask for a position's rows ahead of use.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -18,6 +20,8 @@ struct PlainRows {
   int64_t stride_bytes() const { return row_elems * sizeof(T); }
 };
 
+constexpr int64_t kScaleBytes = 4;  // an int8 row ends with its float32 scale
+
 // Quantised rows: `dim` int8 values, then the row's float32 scale.
 struct Int8Rows {
   const uint8_t* base;
@@ -31,6 +35,29 @@ struct Int8Rows {
     return s;
   }
 };
+
+// Refuses a float cache whose element type does not go with the queries': the same type (float32,
+// bfloat16, float16), or a 16-bit cache under float32 queries (`cache.kv_dtype: float16` or `bfloat16`
+// under a float32 model).
+inline void check_kv_types(at::ScalarType query, at::ScalarType cache) {
+  const bool half_under_float = query == at::kFloat && (cache == at::kHalf || cache == at::kBFloat16);
+  TORCH_CHECK(query == cache || half_under_float,
+              "the KV cache must hold q's dtype (or float16 or bfloat16 under float32 queries), or int8 rows "
+              "with their scales");
+}
+
+// Calls body(Q{}, C{}) with the queries' and a float cache's element types (`check_kv_types`).
+template <typename Body>
+void with_kv_types(at::ScalarType query, at::ScalarType cache, const char* name, Body&& body) {
+  check_kv_types(query, cache);
+  if (query != cache) return cache == at::kHalf ? body(float{}, c10::Half{}) : body(float{}, c10::BFloat16{});
+  switch (query) {
+    case at::kFloat: return body(float{}, float{});
+    case at::kBFloat16: return body(c10::BFloat16{}, c10::BFloat16{});
+    case at::kHalf: return body(c10::Half{}, c10::Half{});
+    default: TORCH_CHECK(false, name, " takes float32, bfloat16 or float16 queries");
+  }
+}
 
 constexpr int64_t kPrefetchAhead = 8;  // positions: the block table scatters them, so the hardware cannot guess
 

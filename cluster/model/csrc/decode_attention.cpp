@@ -345,39 +345,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(t[i] >= 0 && t[i] < num_blocks, "block table entry ", t[i], " outside the cache's ", num_blocks, " blocks");
   at::Tensor out = at::empty_like(qc);
   const bool int8 = k_cache.scalar_type() == at::kByte;
-  const bool half_under_float = q.scalar_type() == at::kFloat &&
-                                (k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(int8 ? k_cache.size(3) == dim + 4
-                   : (k_cache.scalar_type() == q.scalar_type() || half_under_float) && k_cache.size(3) == dim,
-              "the KV cache must hold q's dtype (or float16 or bfloat16 under float32 queries), or int8 rows "
-              "with their scales");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "keys and values must share a dtype");
-  const auto plain = [&](auto query, auto element) {
-    using Q = decltype(query);
-    using C = decltype(element);
-    attend<Q>(qc, PlainRows<C>{k_cache.data_ptr<C>(), dim}, PlainRows<C>{v_cache.data_ptr<C>(), dim}, tables, m,
-              block_size, kv_heads, scale, out);
-  };
-  const auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    if (int8) {
-      const int64_t row = k_cache.size(3);
-      attend<scalar_t>(qc, Int8Rows{k_cache.data_ptr<uint8_t>(), row, dim},
-                       Int8Rows{v_cache.data_ptr<uint8_t>(), row, dim}, tables, m, block_size, kv_heads, scale, out);
-    } else if (!half_under_float) {
-      plain(scalar_t{}, scalar_t{});
-    } else if constexpr (std::is_same_v<scalar_t, float>) {  // a 16-bit cache under float32 queries
-      if (k_cache.scalar_type() == at::kHalf)
-        plain(float{}, c10::Half{});
-      else
-        plain(float{}, c10::BFloat16{});
+  TORCH_CHECK(k_cache.size(3) == (int8 ? dim + tandem::kScaleBytes : dim), "the cache's rows must hold head_dim values (int8: and their scale)");
+  if (int8) {
+    const int64_t row = k_cache.size(3);
+    const auto run = [&](auto zero) {
+      attend<decltype(zero)>(qc, Int8Rows{k_cache.data_ptr<uint8_t>(), row, dim},
+                             Int8Rows{v_cache.data_ptr<uint8_t>(), row, dim}, tables, m, block_size, kv_heads, scale,
+                             out);
+    };
+    switch (q.scalar_type()) {
+      case at::kFloat: run(float{}); break;
+      case at::kBFloat16: run(c10::BFloat16{}); break;
+      case at::kHalf: run(c10::Half{}); break;
+      default: TORCH_CHECK(false, "decode_attention takes float32, bfloat16 or float16 queries");
     }
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "decode_attention takes float32, bfloat16 or float16 queries");
+  } else {
+    tandem::with_kv_types(q.scalar_type(), k_cache.scalar_type(), "decode_attention", [&](auto query, auto element) {
+      using C = decltype(element);
+      attend<decltype(query)>(qc, PlainRows<C>{k_cache.data_ptr<C>(), dim}, PlainRows<C>{v_cache.data_ptr<C>(), dim},
+                              tables, m, block_size, kv_heads, scale, out);
+    });
   }
   return out.view({q.size(0), q.size(1) * dim});
 }

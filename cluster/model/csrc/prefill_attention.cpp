@@ -31,12 +31,14 @@
 #include <optional>
 #include <vector>
 
+#include "cache_rows.h"
 #include "flash_vectors.h"
 #include "tile_linear.h"
 #include "vec.h"
 
 namespace {
 
+using tandem::kScaleBytes;
 #if defined(TANDEM_SIMD)
 namespace generic = tandem::generic;
 #endif
@@ -45,7 +47,6 @@ namespace generic = tandem::generic;
 using tandem::exp16_nonpositive;
 #endif
 
-constexpr int64_t kScaleBytes = 4;  // an int8 row ends with its float32 scale
 
 #if defined(__AVX512BF16__)
 // Flash attention for one sequence's bfloat16 queries over its bfloat16 keys and values, causal,
@@ -377,13 +378,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
               "num_new and num_cached need one entry per sequence");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   const bool int8 = k_cache.scalar_type() == at::kByte;
-  const bool half_under_float = q.scalar_type() == at::kFloat &&
-                                (k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(int8 ? k_cache.size(3) == dim + kScaleBytes
-                   : (k_cache.scalar_type() == q.scalar_type() || half_under_float) && k_cache.size(3) == dim,
-              "the KV cache must hold q's dtype (or float16 or bfloat16 under float32 queries), or int8 rows "
-              "with their scales");
+  if (!int8) tandem::check_kv_types(q.scalar_type(), k_cache.scalar_type());
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "keys and values must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == (int8 ? dim + kScaleBytes : dim),
+              "the cache's rows must hold head_dim values (int8: and their scale)");
   TORCH_CHECK(!window || *window > 0, "a sliding window must be positive");
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -428,20 +426,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 #endif
 #if defined(TANDEM_SIMD)
     if (vector_flash) {
-      const auto run = [&](auto query, auto element) {
+      tandem::with_kv_types(q.scalar_type(), k_cache.scalar_type(), "prefill_attention", [&](auto query, auto element) {
         using T = decltype(query);
         using C = decltype(element);
         generic::flash_sequence(qc.data_ptr<T>() + start * heads * dim, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                                 table, block_size, n, cached, heads, kv_heads, dim, static_cast<float>(scale),
                                 window, out.data_ptr<T>() + start * heads * dim);
-      };
-      const auto same = [&](auto zero) { run(zero, zero); };
-      switch (half_under_float ? k_cache.scalar_type() : q.scalar_type()) {  // a 16-bit cache under float32 queries
-        case at::kFloat: same(float{}); break;
-        case at::kBFloat16: half_under_float ? run(float{}, c10::BFloat16{}) : same(c10::BFloat16{}); break;
-        case at::kHalf: half_under_float ? run(float{}, c10::Half{}) : same(c10::Half{}); break;
-        default: TORCH_CHECK(false, "prefill_attention takes float32, bfloat16 or float16 queries");
-      }
+      });
       start += n;
       continue;
     }
