@@ -561,6 +561,16 @@ class ClusterConfig(_Part):
         return self
 
     @model_validator(mode="after")
+    def _a_16_bit_cache_fits_the_model(self) -> ClusterConfig:
+        kv, dtype = self.cache.kv_dtype, self.model.dtype  # model.dtype auto is resolved for this machine
+        if kv in ("float16", "bfloat16") and dtype not in ("float32", kv):
+            raise ValueError(
+                f"cache.kv_dtype {kv} holds a float32 model's KV in 16 bits, and the model is {dtype} here "
+                "(already 16-bit): use auto"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sealed_tiers_have_a_secret(self) -> ClusterConfig:
         tiers = self.cache.tiers
         if (tiers.disk or tiers.shared) and self.auth.cluster_secret is None:

@@ -62,6 +62,10 @@ def test_defaults_and_freezing():
         ({"model": {"path": "m"}, "prefill": {"replicas": 5}}, "prefill: Value error, replicas (5) outside"),
         ({"model": {"path": "m"}, "auth": {"tls_cert": "c.pem"}}, "auth: Value error, tls_cert and tls_key"),
         ({"model": {"path": "m"}, "router": {"port": 70000}}, "router.port"),
+        (
+            {"model": {"path": "m", "dtype": "bfloat16"}, "cache": {"kv_dtype": "float16"}},
+            "cache.kv_dtype float16 holds a float32 model's KV in 16 bits, and the model is bfloat16 here",
+        ),
         ({"model": {"path": "m", "compile_buckets": [1, 0]}}, "model: Value error, compile_buckets must be positive"),
         ({"model": {"path": "m"}, "ray_ha": {"redis_address": "redis"}}, 'redis_address is "host:port"'),
         (
