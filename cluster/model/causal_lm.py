@@ -43,13 +43,22 @@ class Linear(nn.Linear):
     prepacked: torch.Tensor | None = None  # `prepack.prepack`'s copy of the weight, if any
     prepacked_dtype: torch.dtype | None = None
 
+    def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The tensors `tandem_cpu::skinny_linear` multiplies `x` [rows, in] by, and the bias, where this
+        layer's product goes through it; else None. `tandem_cpu::decode_layer` takes them."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        on_cpu = rows > 0 and self.weight.device.type == "cpu" and x.dtype == self.weight.dtype
+        if not on_cpu or x.requires_grad or rows > cpu_kernels.SKINNY_ROWS.get(x.dtype, 0) or not cpu_kernels.used():
+            return None
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_parts(x) is not None:
+            y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
         rows = x.shape[0] if x.dim() == 2 else 0
         on_cpu = rows > 0 and self.weight.device.type == "cpu" and x.dtype == self.weight.dtype
         few = on_cpu and not x.requires_grad and rows <= cpu_kernels.SKINNY_ROWS.get(x.dtype, 0)
-        if few and cpu_kernels.used():
-            y = torch.ops.tandem_cpu.skinny_linear(x, self.weight)
-            return y if self.bias is None else y + self.bias
         if on_cpu and not few and prepack.usable(self, x):
             return prepack.product(x, self.prepacked, self.bias)
         if not on_cpu or rows > REDUCTION_MAX_ROWS or not torch.compiler.is_compiling():
@@ -168,10 +177,47 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
+        self._native: dict[tuple[torch.dtype, int], tuple] = {}  # see `_native_weights`
+        self.register_load_state_dict_post_hook(lambda module, keys: module._native.clear())
 
     def forward(self, x, cos, sin, kv, meta, lora=None):  # type: ignore[no-untyped-def]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """`forward` for a pass of decode rows as one `tandem_cpu::decode_layer` call (the same kernels,
+        called from C++), or None where one of the layer's products would take another path."""
+        weights = self._native_weights(x)
+        if weights is None:
+            return None
+        attn, group = self.self_attn, meta.groups[0]
+        return torch.ops.tandem_cpu.decode_layer(
+            x, *weights, cos, sin, kv[0], kv[1], meta.slot_mapping, group.block_tables, group.masks[attn.window],
+            attn.num_heads, attn.num_kv_heads, attn.scale, self.input_layernorm.eps,
+        )  # fmt: skip
+
+    def _native_weights(self, x: torch.Tensor) -> tuple | None:
+        """`decode_layer`'s weight arguments for rows like `x` (the norms', then each product's
+        `native_parts`), or None. Kept per row count and dtype: building them took 1-2 ms of a 10 ms
+        int8 step. A loaded state or a product module put in another's place builds them anew."""
+        attn, mlp = self.self_attn, self.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        key = (x.dtype, x.shape[0])
+        kept = self._native.get(key)
+        if kept is not None and all(a is b for a, b in zip(kept[0], modules, strict=True)):
+            return kept[1]
+        products = [m.native_parts(x) for m in modules]
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        usable = all(p is not None for p in products) and all(n.dtype == x.dtype for n in norms)
+        self._native[key] = (modules, (*norms, *products) if usable else None)
+        return self._native[key][1]
 
 
 class CausalLM(nn.Module):
@@ -208,8 +254,11 @@ class CausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2], float32
         cos = torch.cat((freqs, freqs), dim=-1)[:, None, :].cos().to(x.dtype)  # [T, 1, hd]
         sin = torch.cat((-freqs, freqs), dim=-1)[:, None, :].sin().to(x.dtype)  # -sin, then sin
+        # Decode rows alone, eager, on the CPU kernels: each layer is one call into them (`decode`).
+        native = lora is None and len(meta.groups) == 1 and meta.groups[0].max_new == 1 and fused_elementwise(x)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            x = layer(x, cos, sin, kv, meta, None if lora is None else lora.layer(i))
+            y = layer.decode(x, cos, sin, kv, meta) if native else None
+            x = layer(x, cos, sin, kv, meta, None if lora is None else lora.layer(i)) if y is None else y
             if after_layer is not None:
                 after_layer(i)
         return self.norm(x)

@@ -122,21 +122,25 @@ class Int8Linear(nn.Module):
     def _kernel_scales(self) -> torch.Tensor:
         return self.scales_f32 if self.scales_f32 is not None else self.scales
 
+    def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The tensors `tandem_cpu::skinny_linear_int8` multiplies `x` [rows, in] by, and the bias, where
+        this layer's product goes through it; else None. `tandem_cpu::decode_layer` takes them."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if not 0 < rows <= INT8_SKINNY_ROWS or self.weight.device.type != "cpu":
+            return None
+        if not (cpu_kernels.used() if self.block_size is not None else skinny(x.dtype)):
+            return None
+        return [self.weight, self._kernel_scales(), *([] if self.bias is None else [self.bias])]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        few = rows <= INT8_SKINNY_ROWS and self.weight.device.type == "cpu"
-        if not few and prepack.usable(self, flat):
-            y = prepack.product(flat, self.prepacked, None)
-        elif rows >= self.dense_from_rows:
-            y = torch.nn.functional.linear(flat, self.dense())
-        elif self.block_size is not None:  # no torch product takes scales per block
-            if few and cpu_kernels.used():
-                y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self._kernel_scales())
-            else:
-                y = torch.nn.functional.linear(flat, self.dense())
-        elif few and skinny(flat.dtype):
+        if self.native_parts(flat) is not None:
             y = torch.ops.tandem_cpu.skinny_linear_int8(flat, self.weight, self._kernel_scales())
+        elif rows > INT8_SKINNY_ROWS and prepack.usable(self, flat):
+            y = prepack.product(flat, self.prepacked, None)
+        elif rows >= self.dense_from_rows or self.block_size is not None:  # no torch product takes block scales
+            y = torch.nn.functional.linear(flat, self.dense())
         else:
             y = torch._weight_int8pack_mm(flat, self.weight, self.scales)
         if self.bias is not None:
@@ -226,17 +230,26 @@ class Int4Linear(nn.Module):
         w = torch.addcmul(self.minimums.float()[..., None], values, self.scales.float()[..., None])
         return w.view(n, self.in_features).to(self.scales.dtype)
 
+    def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The tensors `tandem_cpu::skinny_linear_int4` multiplies `x` [rows, in] by, and the bias, where
+        this layer's product goes through it; else None. `tandem_cpu::decode_layer` takes them (the group
+        size is the columns over the scales' columns)."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if not 0 < rows <= INT4_SKINNY_ROWS or self.nibbles.device.type != "cpu" or not skinny(x.dtype, bits=4):
+            return None
+        return [self.nibbles, self.scales_f32, self.minimums_f32, *([] if self.bias is None else [self.bias])]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        if rows > INT4_SKINNY_ROWS and prepack.usable(self, flat):
-            y = prepack.product(flat, self.prepacked, None)
-        elif rows >= self.dense_from_rows:
-            y = torch.nn.functional.linear(flat, self.dense())
-        elif rows <= INT4_SKINNY_ROWS and self.nibbles.device.type == "cpu" and skinny(flat.dtype, bits=4):
+        if self.native_parts(flat) is not None:
             y = torch.ops.tandem_cpu.skinny_linear_int4(
                 flat, self.nibbles, self.scales_f32, self.minimums_f32, self.group_size
             )
+        elif rows > INT4_SKINNY_ROWS and prepack.usable(self, flat):
+            y = prepack.product(flat, self.prepacked, None)
+        elif rows >= self.dense_from_rows:
+            y = torch.nn.functional.linear(flat, self.dense())
         else:
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:

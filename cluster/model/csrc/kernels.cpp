@@ -7,3 +7,4 @@
 #include "prefill_attention.cpp"
 #include "quantized_linear.cpp"
 #include "skinny_linear.cpp"
+#include "decode_layer.cpp"  // calls the kernels above

@@ -1,0 +1,119 @@
+// A decoder layer's decode step as one call: `tandem_cpu::decode_layer`.
+//
+// An eager decode step runs each layer as about fifteen torch operations from Python (two norms, four
+// products, the split, the rotary embedding, two cache writes, attention, two residual sums,
+// silu(gate) * up), and in a small model their dispatch costs more than the weights take to read: an
+// int8 SmolLM2-135M step on two cores spent 6 of its 15.6 ms outside every kernel. Here the layer is a
+// sequence of the same kernels called from C++ (`skinny_linear*`, `elementwise.h`, `decode_attention`),
+// with nothing between them but the few tensor views they need. Each product keeps its own threads.
+//
+// A product is given as the tensors its kernel reads, which say which kernel it is (`Product`):
+//   [weight]                              float weights: `skinny_linear`
+//   [weight int8, scales float32]         per row [n] or per block of 32 columns: `skinny_linear_int8`
+//   [nibbles uint8, scales, minimums]     int4 in groups of k / scales.size(1): `skinny_linear_int4`
+// each optionally followed by the bias. `cluster/model/causal_lm.py` (`DecoderLayer.decode`) builds
+// them from the layer's modules (`native_parts`), which multiply the same way when called alone.
+//
+// It calls the other sources' kernels, so `kernels.cpp` includes it after them.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cache_rows.h"
+#include "elementwise.h"
+
+namespace {
+
+enum class Kind { kFloat, kInt8, kInt4 };
+
+struct Product {
+  Kind kind;
+  const at::Tensor* bias;  // nullptr: none
+  const std::vector<at::Tensor>& parts;
+
+  explicit Product(const std::vector<at::Tensor>& p) : parts(p) {
+    TORCH_CHECK(!p.empty(), "decode_layer: a product needs its weights");
+    const at::ScalarType w = p[0].scalar_type();
+    kind = w == at::kChar ? Kind::kInt8 : w == at::kByte ? Kind::kInt4 : Kind::kFloat;
+    const size_t needed = kind == Kind::kFloat ? 1 : kind == Kind::kInt8 ? 2 : 3;
+    TORCH_CHECK(p.size() == needed || p.size() == needed + 1, "decode_layer: a ", w, " product takes ", needed,
+                " tensors and an optional bias, not ", p.size());
+    bias = p.size() > needed ? &p[needed] : nullptr;
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
+    switch (kind) {
+      case Kind::kFloat: y = skinny_linear(x, parts[0]); break;
+      case Kind::kInt8: y = skinny_linear_int8(x, parts[0], parts[1]); break;
+      case Kind::kInt4: y = skinny_linear_int4(x, parts[0], parts[1], parts[2], x.size(1) / parts[1].size(1)); break;
+    }
+    return bias == nullptr ? y : y.add_(*bias);
+  }
+};
+
+// `rows` [T, kv_heads, head_dim] as the int8 cache stores them (`cluster/model/attention.py`'s
+// `quantize_rows`): each row's values over its max-abs / 127, rounded half to even, then its scale.
+at::Tensor quantise_kv_rows(const at::Tensor& rows) {
+  const at::Tensor x = rows.to(at::kFloat).contiguous();
+  const int64_t dim = x.size(-1), count = x.numel() / std::max<int64_t>(dim, 1);
+  at::Tensor out = at::empty({x.size(0), x.size(1), dim + tandem::kScaleBytes}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < count; ++r) {
+    const float* v = xp + r * dim;
+    uint8_t* o = op + r * (dim + tandem::kScaleBytes);
+    float top = 0.f;
+    for (int64_t i = 0; i < dim; ++i) top = std::max(top, std::fabs(v[i]));
+    const float scale = std::max(top / 127.f, 1e-8f);
+    for (int64_t i = 0; i < dim; ++i) {
+      const float q = std::clamp(std::nearbyint(v[i] / scale), -127.f, 127.f);
+      o[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    }
+    std::memcpy(o + dim, &scale, sizeof(scale));
+  }
+  return out;
+}
+
+// Writes the new keys or values `rows` [T, kv_heads, head_dim] into their cache slots, in the cache's
+// element type: as they are, rounded to a 16-bit cache's type, or quantised for an int8 cache.
+void write_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
+  at::Tensor flat = cache.view({-1, cache.size(2), cache.size(3)});
+  if (cache.scalar_type() == at::kByte)
+    flat.index_copy_(0, slots, quantise_kv_rows(rows));
+  else
+    flat.index_copy_(0, slots, rows.scalar_type() == cache.scalar_type() ? rows : rows.to(cache.scalar_type()));
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                        const std::vector<at::Tensor>& qkv_parts, const std::vector<at::Tensor>& o_parts,
+                        const std::vector<at::Tensor>& gate_up_parts, const std::vector<at::Tensor>& down_parts,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& mask,
+                        int64_t heads, int64_t kv_heads, double scale, double eps) {
+  TORCH_CHECK(x.dim() == 2 && slots.numel() == x.size(0), "decode_layer takes x [T, hidden] and a slot per row");
+  const int64_t tokens = x.size(0), dim = k_cache.size(3) - (k_cache.scalar_type() == at::kByte ? tandem::kScaleBytes : 0);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+  const Product qkv_proj(qkv_parts), o_proj(o_parts), gate_up_proj(gate_up_parts), down_proj(down_parts);
+
+  const at::Tensor qkv = qkv_proj(tandem::elementwise::rms_norm(x, input_norm, eps));
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: the q/k/v product gives ", qkv.size(1),
+              " columns, not ", q_size + 2 * kv_size);
+  const at::Tensor q = tandem::elementwise::rope(qkv.narrow(1, 0, q_size).view({tokens, heads, dim}), cos, sin);
+  const at::Tensor k = tandem::elementwise::rope(qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim}), cos, sin);
+  write_rows(k, k_cache, slots);
+  write_rows(qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim}), v_cache, slots);
+  at::Tensor h = x + o_proj(decode_attention(q, k_cache, v_cache, block_tables, mask, scale));
+
+  const at::Tensor gate_up = gate_up_proj(tandem::elementwise::rms_norm(h, post_norm, eps));
+  return h.add_(down_proj(tandem::elementwise::silu_mul(gate_up)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layer", &decode_layer); }
