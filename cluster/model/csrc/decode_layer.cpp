@@ -57,37 +57,51 @@ struct Product {
   }
 };
 
-// `rows` [T, kv_heads, head_dim] as the int8 cache stores them (`cluster/model/attention.py`'s
-// `quantize_rows`): each row's values over its max-abs / 127, rounded half to even, then its scale.
-at::Tensor quantise_kv_rows(const at::Tensor& rows) {
-  const at::Tensor x = rows.to(at::kFloat).contiguous();
-  const int64_t dim = x.size(-1), count = x.numel() / std::max<int64_t>(dim, 1);
-  at::Tensor out = at::empty({x.size(0), x.size(1), dim + tandem::kScaleBytes}, x.options().dtype(at::kByte));
-  const float* xp = x.data_ptr<float>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < count; ++r) {
-    const float* v = xp + r * dim;
-    uint8_t* o = op + r * (dim + tandem::kScaleBytes);
-    float top = 0.f;
-    for (int64_t i = 0; i < dim; ++i) top = std::max(top, std::fabs(v[i]));
-    const float scale = std::max(top / 127.f, 1e-8f);
-    for (int64_t i = 0; i < dim; ++i) {
-      const float q = std::clamp(std::nearbyint(v[i] / scale), -127.f, 127.f);
-      o[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
-    }
-    std::memcpy(o + dim, &scale, sizeof(scale));
+// One row of `dim` values as the int8 cache stores it (`cluster/model/attention.py`'s `quantize_rows`):
+// each value over the row's max-abs / 127, rounded half to even, then the float32 scale.
+template <typename S>
+void quantise_row(const S* v, int64_t dim, uint8_t* out) {
+  float top = 0.f;
+  for (int64_t i = 0; i < dim; ++i) top = std::max(top, std::fabs(tandem::widen(v[i])));
+  const float scale = std::max(top / 127.f, 1e-8f);
+  for (int64_t i = 0; i < dim; ++i) {
+    const float q = std::clamp(std::nearbyint(tandem::widen(v[i]) / scale), -127.f, 127.f);
+    out[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
   }
-  return out;
+  std::memcpy(out + dim, &scale, sizeof(scale));
 }
 
-// Writes the new keys or values `rows` [T, kv_heads, head_dim] into their cache slots, in the cache's
-// element type: as they are, rounded to a 16-bit cache's type, or quantised for an int8 cache.
+// Writes the new keys or values `rows` [T, kv_heads, head_dim] (each row's values adjacent) into
+// their slots of the cache, in its element type: as they are, rounded to a 16-bit cache's type, or
+// quantised for an int8 cache.
 void write_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
-  at::Tensor flat = cache.view({-1, cache.size(2), cache.size(3)});
-  if (cache.scalar_type() == at::kByte)
-    flat.index_copy_(0, slots, quantise_kv_rows(rows));
-  else
-    flat.index_copy_(0, slots, rows.scalar_type() == cache.scalar_type() ? rows : rows.to(cache.scalar_type()));
+  const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2), row_elems = cache.size(3);
+  TORCH_CHECK(rows.stride(2) == 1 && cache.is_contiguous() && cache.size(2) == heads, "decode_layer: bad KV rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "decode_layer: slots must be int64");
+  const at::Tensor slot_list = slots.contiguous();
+  const int64_t* slot = slot_list.data_ptr<int64_t>();
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache's ", num_slots);
+  const auto each_row = [&](auto zero, auto* base, auto&& write) {
+    using S = decltype(zero);
+    const S* src = rows.data_ptr<S>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        write(src + t * rows.stride(0) + h * rows.stride(1), base + (slot[t] * heads + h) * row_elems);
+  };
+  if (cache.scalar_type() == at::kByte) {
+    tandem::elementwise::with_dtype(rows, "decode_layer", [&](auto zero) {
+      each_row(zero, cache.data_ptr<uint8_t>(), [&](const auto* src, uint8_t* dst) { quantise_row(src, dim, dst); });
+    });
+    return;
+  }
+  tandem::with_kv_types(rows.scalar_type(), cache.scalar_type(), "decode_layer", [&](auto zero, auto element) {
+    using C = decltype(element);
+    each_row(zero, cache.data_ptr<C>(), [&](const auto* src, C* dst) {
+      for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<C>(tandem::widen(src[i]));
+    });
+  });
 }
 
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
