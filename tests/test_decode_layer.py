@@ -1,7 +1,7 @@
-"""`tandem_cpu::decode_layer`: an eager decode pass runs each layer as one call into the CPU kernels,
-and computes exactly what the layer's modules compute one by one: the same hidden states and the same
+"""`tandem_cpu::decode_layers`: an eager decode pass runs its layers as one call into the CPU kernels,
+and computes exactly what the layers' modules compute one by one: the same hidden states and the same
 keys and values in the cache, bit for bit, for every family (biases, sliding windows), weight type
-and cache type it takes; where a product would take another path, the layer runs its modules."""
+and cache type it takes; where a product would take another path, the modules run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from cluster.model import cpu_kernels
 from cluster.model.attention import SeqChunk, allocate_kv_cache, build_attention_metadata
-from cluster.model.causal_lm import DecoderLayer
+from cluster.model.causal_lm import CausalLM
 from cluster.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.used(), reason="the CPU kernels are not built on this machine")
@@ -26,7 +26,7 @@ def _pass(model, cache, chunks, ids) -> torch.Tensor:
 
 def _decode_both_ways(model, kv_dtype: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list, list, list]:
     """One decode pass of three rows through the native layers and through the modules, each from the
-    same prefilled cache: (hidden states native, by modules, caches native, by modules, `decode`'s results)."""
+    same prefilled cache: (hidden states native, by modules, caches native, by modules, `decode_natively`'s results)."""
     arch = model.arch
     dtype = model.embed_tokens.weight.dtype
     cache = allocate_kv_cache(arch.num_layers, 16, BLOCK, arch.num_kv_heads, arch.head_dim, dtype, kv_dtype=kv_dtype)
@@ -39,10 +39,10 @@ def _decode_both_ways(model, kv_dtype: str, monkeypatch) -> tuple[torch.Tensor, 
         ids = torch.randint(1, arch.vocab_size, (len(LENGTHS),), generator=g).tolist()
         native_cache = [(k.clone(), v.clone()) for k, v in cache]
         results = []
-        original = DecoderLayer.decode
-        monkeypatch.setattr(DecoderLayer, "decode", lambda *a: results.append(original(*a)) or results[-1])
+        original = CausalLM.decode_natively
+        monkeypatch.setattr(CausalLM, "decode_natively", lambda *a: results.append(original(*a)) or results[-1])
         native = _pass(model, native_cache, decode, ids)
-        monkeypatch.setattr(DecoderLayer, "decode", lambda *a: None)
+        monkeypatch.setattr(CausalLM, "decode_natively", lambda *a: None)
         by_modules = _pass(model, cache, decode, ids)
     return native, by_modules, native_cache, cache, results
 
@@ -62,18 +62,18 @@ def _decode_both_ways(model, kv_dtype: str, monkeypatch) -> tuple[torch.Tensor, 
 def test_a_native_decode_layer_computes_what_its_modules_compute(hf_models, monkeypatch, family, dtype, weights, kv):
     model = load_model(hf_models[family][0], dtype, weight_dtype=weights, group_size=32)
     native, by_modules, native_cache, cache, results = _decode_both_ways(model, kv, monkeypatch)
-    assert len(results) == model.arch.num_layers and all(r is not None for r in results)
+    assert len(results) == 1 and results[0] is not None
     assert torch.equal(native, by_modules)
     for (k1, v1), (k2, v2) in zip(native_cache, cache, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_a_layer_whose_product_takes_torch_s_kernel_runs_its_modules(hf_models, monkeypatch):
-    """Under bfloat16 activations an int4 product is torch's (`quant.skinny`): no native layer, the
+    """Under bfloat16 activations an int4 product is torch's (`quant.skinny`): no native pass, the
     same result."""
     model = load_model(hf_models["llama"][0], "bfloat16", weight_dtype="int4", group_size=32)
     native, by_modules, _, _, results = _decode_both_ways(model, "auto", monkeypatch)
-    assert results == [None] * model.arch.num_layers
+    assert results == [None]
     assert torch.equal(native, by_modules)
 
 
@@ -82,10 +82,10 @@ def test_the_layer_s_weights_are_built_again_after_a_load(hf_models):
     module put in another's place are not served from what was kept."""
     model = load_model(hf_models["llama"][0], "float32", weight_dtype="int8")
     layer, x = model.layers[0], torch.zeros(2, model.arch.hidden_size)
-    first = layer._native_weights(x)
-    assert first is not None and layer._native_weights(x) is first
+    first = layer.native_weights(x)
+    assert first is not None and layer.native_weights(x) is first
     model.load_state_dict(model.state_dict())
-    again = layer._native_weights(x)
+    again = layer.native_weights(x)
     assert again is not first and again[2][1] is layer.self_attn.qkv_proj.scales_f32
     layer.mlp.down_proj = load_model(hf_models["llama"][0], "float32").layers[0].mlp.down_proj
-    assert layer._native_weights(x)[-1][0] is layer.mlp.down_proj.weight
+    assert layer.native_weights(x)[-1][0] is layer.mlp.down_proj.weight

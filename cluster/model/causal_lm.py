@@ -177,36 +177,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
-        self._native: dict[tuple[torch.dtype, int], tuple] = {}  # see `_native_weights`
+        self._native: dict[tuple[torch.dtype, int], tuple] = {}  # see `native_weights`
         self.register_load_state_dict_post_hook(lambda module, keys: module._native.clear())
 
     def forward(self, x, cos, sin, kv, meta, lora=None):  # type: ignore[no-untyped-def]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
-    def decode(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor | None:
-        """`forward` for a pass of decode rows as one `tandem_cpu::decode_layer` call (the same kernels,
-        called from C++), or None where one of the layer's products would take another path."""
-        weights = self._native_weights(x)
-        if weights is None:
-            return None
-        attn, group = self.self_attn, meta.groups[0]
-        return torch.ops.tandem_cpu.decode_layer(
-            x, *weights, cos, sin, kv[0], kv[1], meta.slot_mapping, group.block_tables, group.masks[attn.window],
-            attn.num_heads, attn.num_kv_heads, attn.scale, self.input_layernorm.eps,
-        )  # fmt: skip
-
-    def _native_weights(self, x: torch.Tensor) -> tuple | None:
-        """`decode_layer`'s weight arguments for rows like `x` (the norms', then each product's
-        `native_parts`), or None. Kept per row count and dtype: building them took 1-2 ms of a 10 ms
-        int8 step. A loaded state or a product module put in another's place builds them anew."""
+    def native_weights(self, x: torch.Tensor) -> tuple | None:
+        """This layer's weights for `tandem_cpu::decode_layers` at rows like `x`: its two norms' and each
+        product's `native_parts`; None where a product takes another path. Kept per row count and
+        dtype (building them took 1-2 ms of a 10 ms int8 step); a loaded state or a product module put
+        in another's place builds them anew."""
         attn, mlp = self.self_attn, self.mlp
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         key = (x.dtype, x.shape[0])
@@ -254,14 +236,37 @@ class CausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2], float32
         cos = torch.cat((freqs, freqs), dim=-1)[:, None, :].cos().to(x.dtype)  # [T, 1, hd]
         sin = torch.cat((-freqs, freqs), dim=-1)[:, None, :].sin().to(x.dtype)  # -sin, then sin
-        # Decode rows alone, eager, on the CPU kernels: each layer is one call into them (`decode`).
-        native = lora is None and len(meta.groups) == 1 and meta.groups[0].max_new == 1 and fused_elementwise(x)
+        if lora is None and after_layer is None:
+            hidden = self.decode_natively(x, cos, sin, kv_cache, meta)
+            if hidden is not None:
+                return self.norm(hidden)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            y = layer.decode(x, cos, sin, kv, meta) if native else None
-            x = layer(x, cos, sin, kv, meta, None if lora is None else lora.layer(i)) if y is None else y
+            x = layer(x, cos, sin, kv, meta, None if lora is None else lora.layer(i))
             if after_layer is not None:
                 after_layer(i)
         return self.norm(x)
+
+    def decode_natively(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The layers' pass over decode rows alone, eager, as one `tandem_cpu::decode_layers` call: the
+        kernels the modules would call, called from C++, without some fifteen torch operations a layer
+        dispatched from Python. None (the modules run) for prompt chunks, under torch.compile, without
+        the CPU kernels, or where a layer's product takes another path."""
+        if len(meta.groups) != 1 or meta.groups[0].max_new != 1 or not fused_elementwise(x):
+            return None
+        layers = [layer.native_weights(x) for layer in self.layers]
+        if any(w is None for w in layers):
+            return None
+        weights = [t for w in layers for t in (w[0], w[1], *w[2], *w[3], *w[4], *w[5])]
+        counts = [len(p) for w in layers for p in w[2:]]
+        group, windows = meta.groups[0], list(meta.groups[0].masks)
+        attn = self.layers[0].self_attn
+        return torch.ops.tandem_cpu.decode_layers(
+            x, weights, counts, cos, sin, [k for k, _ in kv_cache], [v for _, v in kv_cache], meta.slot_mapping,
+            group.block_tables, list(group.masks.values()), [windows.index(w) for w in self.arch.sliding_windows],
+            attn.num_heads, attn.num_kv_heads, attn.scale, self.layers[0].input_layernorm.eps,
+        )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

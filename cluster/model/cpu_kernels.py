@@ -18,8 +18,8 @@
   `TANDEM_CPU_TILES=0` keeps them off the tiles (the tests run the other paths on such a CPU so).
 - `rms_norm`, `rope` and `silu_mul` are a decoder layer's element-wise steps, one pass each, for
   eager passes (`csrc/elementwise.h`); compiled graphs fuse the same steps themselves.
-- `decode_layer` is a decoder layer's whole decode step, eager, as one call into the kernels above
-  (`csrc/decode_layer.cpp`): what the layer's modules compute, without their dispatch.
+- `decode_layers` is the decoder layers' whole decode step, eager, as one call into the kernels above
+  (`csrc/decode_layer.cpp`): what the layers' modules compute, without their dispatch.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
   in place, through the block table (torch's paths either gather the cache into a copy first or,
   under `torch.compile`, spend most of their time on per-element index arithmetic).
@@ -197,9 +197,9 @@ _library.define("tile_pack(Tensor weight) -> Tensor")
 _library.define("tile_linear(Tensor x, Tensor packed) -> Tensor")
 _library.define("tile_amx() -> bool")
 _library.define(
-    "decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, Tensor[] qkv, Tensor[] o, Tensor[] gate_up,"
-    " Tensor[] down, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots,"
-    " Tensor block_tables, Tensor mask, int heads, int kv_heads, float scale, float eps) -> Tensor"
+    "decode_layers(Tensor x, Tensor[] weights, int[] counts, Tensor cos, Tensor sin, Tensor(a!)[] k_caches,"
+    " Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor[] masks, int[] mask_of, int heads,"
+    " int kv_heads, float scale, float eps) -> Tensor"
 )
 SKINNY_MAX_ROWS = 64  # the most rows `skinny_linear` takes
 # Up to how many rows `skinny_linear` is used. It beats torch's GEMM on the CPUs measured at every

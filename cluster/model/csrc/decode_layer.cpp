@@ -1,18 +1,19 @@
-// A decoder layer's decode step as one call: `tandem_cpu::decode_layer`.
+// The decoder layers' decode step as one call: `tandem_cpu::decode_layers`.
 //
 // An eager decode step runs each layer as about fifteen torch operations from Python (two norms, four
 // products, the split, the rotary embedding, two cache writes, attention, two residual sums,
 // silu(gate) * up), and in a small model their dispatch costs more than the weights take to read: an
 // int8 SmolLM2-135M step on two cores spent 6 of its 15.6 ms outside every kernel. Here the layer is a
 // sequence of the same kernels called from C++ (`skinny_linear*`, `elementwise.h`, `decode_attention`),
-// with nothing between them but the few tensor views they need. Each product keeps its own threads.
+// with nothing between them but the few tensor views they need, every layer in turn. Each product
+// keeps its own threads.
 //
 // A product is given as the tensors its kernel reads, which say which kernel it is (`Product`):
 //   [weight]                              float weights: `skinny_linear`
 //   [weight int8, scales float32]         per row [n] or per block of 32 columns: `skinny_linear_int8`
 //   [nibbles uint8, scales, minimums]     int4 in groups of k / scales.size(1): `skinny_linear_int4`
-// each optionally followed by the bias. `cluster/model/causal_lm.py` (`DecoderLayer.decode`) builds
-// them from the layer's modules (`native_parts`), which multiply the same way when called alone.
+// each optionally followed by the bias. `cluster/model/causal_lm.py` (`CausalLM.decode_natively`)
+// builds them from the layers' modules (`native_parts`), which multiply the same way when called alone.
 //
 // It calls the other sources' kernels, so `kernels.cpp` includes it after them.
 
@@ -34,9 +35,9 @@ enum class Kind { kFloat, kInt8, kInt4 };
 struct Product {
   Kind kind;
   const at::Tensor* bias;  // nullptr: none
-  const std::vector<at::Tensor>& parts;
+  at::ArrayRef<at::Tensor> parts;
 
-  explicit Product(const std::vector<at::Tensor>& p) : parts(p) {
+  explicit Product(at::ArrayRef<at::Tensor> p) : parts(p) {
     TORCH_CHECK(!p.empty(), "decode_layer: a product needs its weights");
     const at::ScalarType w = p[0].scalar_type();
     kind = w == at::kChar ? Kind::kInt8 : w == at::kByte ? Kind::kInt4 : Kind::kFloat;
@@ -104,30 +105,61 @@ void write_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tenso
   });
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                        const std::vector<at::Tensor>& qkv_parts, const std::vector<at::Tensor>& o_parts,
-                        const std::vector<at::Tensor>& gate_up_parts, const std::vector<at::Tensor>& down_parts,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& mask,
-                        int64_t heads, int64_t kv_heads, double scale, double eps) {
-  TORCH_CHECK(x.dim() == 2 && slots.numel() == x.size(0), "decode_layer takes x [T, hidden] and a slot per row");
+// One layer: `weights` holds its input and post-attention norms, then its four products' tensors
+// (`Product`), `counts` how many tensors each product has.
+at::Tensor decode_layer(const at::Tensor& x, at::ArrayRef<at::Tensor> weights, at::IntArrayRef counts,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                        const at::Tensor& mask, int64_t heads, int64_t kv_heads, double scale, double eps) {
   const int64_t tokens = x.size(0), dim = k_cache.size(3) - (k_cache.scalar_type() == at::kByte ? tandem::kScaleBytes : 0);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
-  const Product qkv_proj(qkv_parts), o_proj(o_parts), gate_up_proj(gate_up_parts), down_proj(down_parts);
+  std::vector<Product> products;
+  size_t next = 2;
+  for (const int64_t n : counts) {
+    products.emplace_back(weights.slice(next, n));
+    next += n;
+  }
+  const Product &qkv_proj = products[0], &o_proj = products[1], &gate_up_proj = products[2], &down_proj = products[3];
 
-  const at::Tensor qkv = qkv_proj(tandem::elementwise::rms_norm(x, input_norm, eps));
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: the q/k/v product gives ", qkv.size(1),
+  const at::Tensor qkv = qkv_proj(tandem::elementwise::rms_norm(x, weights[0], eps));
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: the q/k/v product gives ", qkv.size(1),
               " columns, not ", q_size + 2 * kv_size);
   const at::Tensor q = tandem::elementwise::rope(qkv.narrow(1, 0, q_size).view({tokens, heads, dim}), cos, sin);
-  const at::Tensor k = tandem::elementwise::rope(qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim}), cos, sin);
-  write_rows(k, k_cache, slots);
+  write_rows(tandem::elementwise::rope(qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim}), cos, sin), k_cache,
+             slots);
   write_rows(qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim}), v_cache, slots);
   at::Tensor h = x + o_proj(decode_attention(q, k_cache, v_cache, block_tables, mask, scale));
 
-  const at::Tensor gate_up = gate_up_proj(tandem::elementwise::rms_norm(h, post_norm, eps));
+  const at::Tensor gate_up = gate_up_proj(tandem::elementwise::rms_norm(h, weights[1], eps));
   return h.add_(down_proj(tandem::elementwise::silu_mul(gate_up)));
+}
+
+// Every layer in turn: layer i takes `counts[4 * i, 4 * i + 4)` of `weights` (after its two norms),
+// its caches, and `masks[mask_of[i]]` (its sliding window's).
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef counts, const at::Tensor& cos,
+                         const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& slots, const at::Tensor& block_tables, at::TensorList masks,
+                         at::IntArrayRef mask_of, int64_t heads, int64_t kv_heads, double scale, double eps) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && slots.numel() == x.size(0), "decode_layers takes x [T, hidden] and a slot per row");
+  TORCH_CHECK(v_caches.size() == k_caches.size() && static_cast<int64_t>(mask_of.size()) == layers &&
+                  static_cast<int64_t>(counts.size()) == 4 * layers,
+              "decode_layers: a cache pair, a mask and four products per layer");
+  at::Tensor h = x;
+  size_t first = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto own = counts.slice(4 * i, 4);
+    size_t size = 2;
+    for (const int64_t n : own) size += n;
+    TORCH_CHECK(first + size <= weights.size() && mask_of[i] >= 0 && mask_of[i] < static_cast<int64_t>(masks.size()),
+                "decode_layers: layer ", i, "'s weights or mask are missing");
+    h = decode_layer(h, weights.slice(first, size), own, cos, sin, k_caches[i], v_caches[i], slots, block_tables,
+                     masks[mask_of[i]], heads, kv_heads, scale, eps);
+    first += size;
+  }
+  return h;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
