@@ -45,7 +45,7 @@ class Linear(nn.Linear):
 
     def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The tensors `tandem_cpu::skinny_linear` multiplies `x` [rows, in] by, and the bias, where this
-        layer's product goes through it; else None. `tandem_cpu::decode_layer` takes them."""
+        layer's product goes through it; else None. `tandem_cpu::decode_layers` takes them."""
         rows = x.shape[0] if x.dim() == 2 else 0
         on_cpu = rows > 0 and self.weight.device.type == "cpu" and x.dtype == self.weight.dtype
         if not on_cpu or x.requires_grad or rows > cpu_kernels.SKINNY_ROWS.get(x.dtype, 0) or not cpu_kernels.used():

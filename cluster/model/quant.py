@@ -124,7 +124,7 @@ class Int8Linear(nn.Module):
 
     def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The tensors `tandem_cpu::skinny_linear_int8` multiplies `x` [rows, in] by, and the bias, where
-        this layer's product goes through it; else None. `tandem_cpu::decode_layer` takes them."""
+        this layer's product goes through it; else None. `tandem_cpu::decode_layers` takes them."""
         rows = x.shape[0] if x.dim() == 2 else 0
         if not 0 < rows <= INT8_SKINNY_ROWS or self.weight.device.type != "cpu":
             return None
@@ -232,7 +232,7 @@ class Int4Linear(nn.Module):
 
     def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The tensors `tandem_cpu::skinny_linear_int4` multiplies `x` [rows, in] by, and the bias, where
-        this layer's product goes through it; else None. `tandem_cpu::decode_layer` takes them (the group
+        this layer's product goes through it; else None. `tandem_cpu::decode_layers` takes them (the group
         size is the columns over the scales' columns)."""
         rows = x.shape[0] if x.dim() == 2 else 0
         if not 0 < rows <= INT4_SKINNY_ROWS or self.nibbles.device.type != "cpu" or not skinny(x.dtype, bits=4):

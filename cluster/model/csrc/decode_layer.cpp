@@ -38,11 +38,11 @@ struct Product {
   at::ArrayRef<at::Tensor> parts;
 
   explicit Product(at::ArrayRef<at::Tensor> p) : parts(p) {
-    TORCH_CHECK(!p.empty(), "decode_layer: a product needs its weights");
+    TORCH_CHECK(!p.empty(), "decode_layers: a product needs its weights");
     const at::ScalarType w = p[0].scalar_type();
     kind = w == at::kChar ? Kind::kInt8 : w == at::kByte ? Kind::kInt4 : Kind::kFloat;
     const size_t needed = kind == Kind::kFloat ? 1 : kind == Kind::kInt8 ? 2 : 3;
-    TORCH_CHECK(p.size() == needed || p.size() == needed + 1, "decode_layer: a ", w, " product takes ", needed,
+    TORCH_CHECK(p.size() == needed || p.size() == needed + 1, "decode_layers: a ", w, " product takes ", needed,
                 " tensors and an optional bias, not ", p.size());
     bias = p.size() > needed ? &p[needed] : nullptr;
   }
@@ -77,8 +77,8 @@ void quantise_row(const S* v, int64_t dim, uint8_t* out) {
 // quantised for an int8 cache.
 void write_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
   const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2), row_elems = cache.size(3);
-  TORCH_CHECK(rows.stride(2) == 1 && cache.is_contiguous() && cache.size(2) == heads, "decode_layer: bad KV rows");
-  TORCH_CHECK(slots.scalar_type() == at::kLong, "decode_layer: slots must be int64");
+  TORCH_CHECK(rows.stride(2) == 1 && cache.is_contiguous() && cache.size(2) == heads, "decode_layers: bad KV rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "decode_layers: slots must be int64");
   const at::Tensor slot_list = slots.contiguous();
   const int64_t* slot = slot_list.data_ptr<int64_t>();
   const int64_t num_slots = cache.size(0) * cache.size(1);
@@ -92,12 +92,12 @@ void write_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tenso
         write(src + t * rows.stride(0) + h * rows.stride(1), base + (slot[t] * heads + h) * row_elems);
   };
   if (cache.scalar_type() == at::kByte) {
-    tandem::elementwise::with_dtype(rows, "decode_layer", [&](auto zero) {
+    tandem::elementwise::with_dtype(rows, "decode_layers", [&](auto zero) {
       each_row(zero, cache.data_ptr<uint8_t>(), [&](const auto* src, uint8_t* dst) { quantise_row(src, dim, dst); });
     });
     return;
   }
-  tandem::with_kv_types(rows.scalar_type(), cache.scalar_type(), "decode_layer", [&](auto zero, auto element) {
+  tandem::with_kv_types(rows.scalar_type(), cache.scalar_type(), "decode_layers", [&](auto zero, auto element) {
     using C = decltype(element);
     each_row(zero, cache.data_ptr<C>(), [&](const auto* src, C* dst) {
       for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<C>(tandem::widen(src[i]));
