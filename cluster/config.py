@@ -234,6 +234,12 @@ class SchedulerConfig(_Part):
         gt=0,
         description="Longest prompt chunk per step on a decode worker, so running decodes never stall long.",
     )
+    prefill_apart: bool = Field(
+        default=False,
+        description="Decode workers: a step that would run prompt chunks (local prefill, a turn loaded from the KV "
+        "tiers) beside running decode rows runs the chunks alone and the decode rows the step after, as SGLang "
+        "schedules; off: one pass holds both, as vLLM's does.",
+    )
     max_waiting: int = Field(
         default=256, gt=0, description="Most requests waiting on one worker; more get RESOURCE_EXHAUSTED at once."
     )

@@ -57,6 +57,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._arrivals = 0
+        self._chunks_alone_last = False  # the last step ran prompt chunks apart from the decode rows
 
     @property
     def has_work(self) -> bool:
@@ -122,13 +123,31 @@ class Scheduler:
             self._finish(request, reason)
 
     def schedule(self) -> StepPlan:
+        """The next step's plan. With `prefill_apart`, a step that would run prompt chunks beside decode
+        rows runs the chunks alone, and the step after it every decode row (with or without chunks):
+        a chunk's first token is not held up by the decode rows' share of its pass, and the decode
+        rows run at least every other step."""
+        apart = self.config.prefill_apart and not self._chunks_alone_last and self._prompts_beside_decodes()
+        plan = self._schedule(skip_decode_rows=apart)
+        if apart and not plan.chunks and not plan.preempted:  # no chunk could start: decode as usual
+            apart, plan = False, self._schedule(skip_decode_rows=False)
+        self._chunks_alone_last = apart
+        self.stats.num_steps += 1
+        return plan
+
+    def _prompts_beside_decodes(self) -> bool:
+        running = [r for r in self.running if r.status is Status.RUNNING]
+        decoding = [_decode_row(r) for r in running]
+        return any(decoding) and (bool(self.waiting) or not all(decoding))
+
+    def _schedule(self, skip_decode_rows: bool) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         chunk_limit = self.config.long_prefill_chunk
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         copies: list[tuple[int, int]] = []
         for request in list(self.running):
-            if request.status is not Status.RUNNING or budget == 0:
+            if request.status is not Status.RUNNING or budget == 0 or (skip_decode_rows and _decode_row(request)):
                 continue
             start = request.num_computed_tokens
             n = min(request.num_tokens - start, budget, chunk_limit)
@@ -164,7 +183,6 @@ class Scheduler:
             n = min(request.num_tokens - cached, budget, chunk_limit)
             chunks.append(self._chunk(request, n))
             budget -= n
-        self.stats.num_steps += 1
         return StepPlan(tuple(chunks), tuple(preempted), tuple(copies))
 
     # -- beam search: a request's running beams are sequences that share blocks ---------------------
@@ -303,3 +321,8 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+
+def _decode_row(request: Request) -> bool:
+    """Whether `request`'s next pass is one decode row: its last output token, the only one not computed."""
+    return bool(request.output_token_ids) and request.num_tokens - request.num_computed_tokens == 1

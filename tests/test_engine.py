@@ -63,6 +63,36 @@ def test_32_concurrent_requests_under_preemption_match_solo_and_transformers(lla
         assert solo == ref[0, len(prompt) :].tolist(), rid
 
 
+def test_prompt_chunks_apart_from_decode_rows_give_the_same_tokens(llama):
+    """`scheduler.prefill_apart`: greedy and seeded requests arriving while others decode get the tokens
+    they get when one pass holds both, under preemption (the scheduler's own tests hold the order of
+    passes)."""
+    model, _ = llama
+    requests = mixed_requests(24, seed=1)
+    for i in range(4):
+        requests[f"s{i}"] = ([7 + i] * (30 + i), SamplingParams(max_tokens=12, temperature=0.8, seed=i))
+    together = run(Engine(model, NoText(), SMALL_CACHE, BATCHING), requests)
+    engine = Engine(model, NoText(), SMALL_CACHE, BATCHING.model_copy(update={"prefill_apart": True}))
+    apart, schedule = [], engine.scheduler.schedule
+
+    def recorded():  # type: ignore[no-untyped-def]
+        decoding = {
+            r.request_id
+            for r in engine.scheduler.running
+            if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1
+        }
+        plan = schedule()
+        apart.append(
+            bool(decoding) and bool(plan.chunks) and not decoding & {c.request.request_id for c in plan.chunks}
+        )
+        return plan
+
+    engine.scheduler.schedule = recorded
+    assert run(engine, requests) == together
+    assert any(apart), "no pass ran prompt chunks apart from the decode rows"
+    assert engine.scheduler.stats.num_preemptions > 0
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(llama):
     model, _ = llama
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)

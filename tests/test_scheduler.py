@@ -16,8 +16,10 @@ from decode_worker.scheduler import Scheduler
 EOS = 0
 
 
-def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, chunk=32, watermark=0.0, max_len=None):
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, long_prefill_chunk=chunk)
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=64, chunk=32, watermark=0.0, max_len=None, apart=False):
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, long_prefill_chunk=chunk, prefill_apart=apart
+    )
     return Scheduler(config, BlockManager(num_blocks, block_size, watermark), [EOS], max_len)
 
 
@@ -64,6 +66,24 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     ]
     assert [c.samples for c in plans[2].chunks] == [True, False]
     assert s.requests["long"].output_token_ids == [7]  # sampled only once the prompt was done
+
+
+def test_prefill_apart_runs_prompt_chunks_alone_and_decodes_every_other_step():
+    s = make(chunk=8, budget=12, apart=True)
+    s.add(req("short", 2, max_tokens=20))
+    step(s)
+    s.add(req("long", 30))
+    plans = [step(s)[0] for _ in range(6)]
+    assert [shape(p) for p in plans] == [
+        [("long", 0, 8)],
+        [("short", 2, 1), ("long", 8, 8)],
+        [("long", 16, 8)],
+        [("short", 3, 1), ("long", 24, 6)],
+        [("short", 4, 1), ("long", 30, 1)],  # both decode now: one pass
+        [("short", 5, 1), ("long", 31, 1)],
+    ]
+    s.add(req("blocked", 230))  # more blocks than the pool has free: it waits, and the decodes go on
+    assert shape(step(s)[0]) == [("short", 6, 1), ("long", 32, 1)]
 
 
 def test_budget_and_max_num_seqs_hold():
@@ -155,6 +175,7 @@ def test_random_mix_of_adds_aborts_preemptions_ends_clean(seed):
         budget=rng.randint(8, 40),
         chunk=rng.randint(4, 16),
         watermark=rng.choice([0.0, 0.1]),
+        apart=seed % 2 == 1,
     )
     done, next_id = {}, 0
     for _ in range(300):
