@@ -24,19 +24,25 @@ def _pass(model, cache, chunks, ids) -> torch.Tensor:
     return model(torch.tensor(ids), meta.positions, cache, meta)
 
 
-def _decode_both_ways(model, kv_dtype: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list, list, list]:
-    """One decode pass of three rows through the native layers and through the modules, each from the
-    same prefilled cache: (hidden states native, by modules, caches native, by modules, `decode_natively`'s results)."""
+def _decode_both_ways(
+    model, kv_dtype: str, monkeypatch, lengths=LENGTHS
+) -> tuple[torch.Tensor, torch.Tensor, list, list, list]:
+    """One decode pass of a row per prompt in `lengths` through the native layers and through the
+    modules, each from the same prefilled cache: (hidden states native, by modules, caches native, by
+    modules, `decode_natively`'s results)."""
     arch = model.arch
     dtype = model.embed_tokens.weight.dtype
-    cache = allocate_kv_cache(arch.num_layers, 16, BLOCK, arch.num_kv_heads, arch.head_dim, dtype, kv_dtype=kv_dtype)
-    tables = [list(range(5 * s, 5 * s + 5)) for s in range(len(LENGTHS))]
+    blocks = 5 * len(lengths)
+    cache = allocate_kv_cache(
+        arch.num_layers, blocks, BLOCK, arch.num_kv_heads, arch.head_dim, dtype, kv_dtype=kv_dtype
+    )
+    tables = [list(range(5 * s, 5 * s + 5)) for s in range(len(lengths))]
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, arch.vocab_size, (sum(LENGTHS),), generator=g).tolist()
+    prompt = torch.randint(1, arch.vocab_size, (sum(lengths),), generator=g).tolist()
     with torch.no_grad():
-        _pass(model, cache, [SeqChunk(t, 0, n) for t, n in zip(tables, LENGTHS, strict=True)], prompt)
-        decode = [SeqChunk(t, n, 1) for t, n in zip(tables, LENGTHS, strict=True)]
-        ids = torch.randint(1, arch.vocab_size, (len(LENGTHS),), generator=g).tolist()
+        _pass(model, cache, [SeqChunk(t, 0, n) for t, n in zip(tables, lengths, strict=True)], prompt)
+        decode = [SeqChunk(t, n, 1) for t, n in zip(tables, lengths, strict=True)]
+        ids = torch.randint(1, arch.vocab_size, (len(lengths),), generator=g).tolist()
         native_cache = [(k.clone(), v.clone()) for k, v in cache]
         results = []
         original = CausalLM.decode_natively
@@ -57,6 +63,7 @@ def _decode_both_ways(model, kv_dtype: str, monkeypatch) -> tuple[torch.Tensor, 
         ("qwen2", "float32", "int4", "auto"),
         ("mistral", "float32", "int8", "auto"),  # a sliding window shorter than the longest context
         ("mistral", "bfloat16", "auto", "int8"),
+        ("llama", "bfloat16", "int4", "auto"),  # torch's int4 product, as the module takes it under bfloat16
     ],
 )
 def test_a_native_decode_layer_computes_what_its_modules_compute(hf_models, monkeypatch, family, dtype, weights, kv):
@@ -68,11 +75,11 @@ def test_a_native_decode_layer_computes_what_its_modules_compute(hf_models, monk
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_a_layer_whose_product_takes_torch_s_kernel_runs_its_modules(hf_models, monkeypatch):
-    """Under bfloat16 activations an int4 product is torch's (`quant.skinny`): no native pass, the
-    same result."""
-    model = load_model(hf_models["llama"][0], "bfloat16", weight_dtype="int4", group_size=32)
-    native, by_modules, _, _, results = _decode_both_ways(model, "auto", monkeypatch)
+def test_more_rows_than_a_product_s_kernel_takes_run_the_modules(hf_models, monkeypatch):
+    """17 decode rows are more than the int8 kernel takes (`quant.INT8_SKINNY_ROWS`): no native pass,
+    the same result."""
+    model = load_model(hf_models["llama"][0], "float32", weight_dtype="int8")
+    native, by_modules, _, _, results = _decode_both_ways(model, "auto", monkeypatch, lengths=(3,) * 17)
     assert results == [None]
     assert torch.equal(native, by_modules)
 

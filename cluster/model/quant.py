@@ -231,18 +231,23 @@ class Int4Linear(nn.Module):
         return w.view(n, self.in_features).to(self.scales.dtype)
 
     def native_parts(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The tensors `tandem_cpu::skinny_linear_int4` multiplies `x` [rows, in] by, and the bias, where
-        this layer's product goes through it; else None. `tandem_cpu::decode_layers` takes them (the group
-        size is the columns over the scales' columns)."""
+        """The tensors this layer's product multiplies `x` [rows, in] by where it is a few rows on the
+        CPU: `tandem_cpu::skinny_linear_int4`'s nibbles, scales and minimums, or (`skinny` says no)
+        torch's packed weights and scales with zeros; then the bias. None elsewhere.
+        `tandem_cpu::decode_layers` takes them (the group size is the columns over the scales')."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if not 0 < rows <= INT4_SKINNY_ROWS or self.nibbles.device.type != "cpu" or not skinny(x.dtype, bits=4):
+        if not 0 < rows <= INT4_SKINNY_ROWS or self.nibbles.device.type != "cpu":
             return None
-        return [self.nibbles, self.scales_f32, self.minimums_f32, *([] if self.bias is None else [self.bias])]
+        bias = [] if self.bias is None else [self.bias]
+        if skinny(x.dtype, bits=4):
+            return [self.nibbles, self.scales_f32, self.minimums_f32, *bias]
+        return [self.packed, self.scales_and_zeros, *bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        if self.native_parts(flat) is not None:
+        parts = self.native_parts(flat)
+        if parts is not None and parts[0] is self.nibbles:
             y = torch.ops.tandem_cpu.skinny_linear_int4(
                 flat, self.nibbles, self.scales_f32, self.minimums_f32, self.group_size
             )

@@ -12,6 +12,8 @@
 //   [weight]                              float weights: `skinny_linear`
 //   [weight int8, scales float32]         per row [n] or per block of 32 columns: `skinny_linear_int8`
 //   [nibbles uint8, scales, minimums]     int4 in groups of k / scales.size(1): `skinny_linear_int4`
+//   [packed uint8, scales_and_zeros]      torch's int4 product (`_weight_int4pack_mm_for_cpu`), in
+//                                         groups of k / scales_and_zeros.size(0) ([k / g, n, 2])
 // each optionally followed by the bias. `cluster/model/causal_lm.py` (`CausalLM.decode_natively`)
 // builds them from the layers' modules (`native_parts`), which multiply the same way when called alone.
 //
@@ -30,7 +32,7 @@
 
 namespace {
 
-enum class Kind { kFloat, kInt8, kInt4 };
+enum class Kind { kFloat, kInt8, kInt4, kTorchInt4 };
 
 struct Product {
   Kind kind;
@@ -40,8 +42,9 @@ struct Product {
   explicit Product(at::ArrayRef<at::Tensor> p) : parts(p) {
     TORCH_CHECK(!p.empty(), "decode_layers: a product needs its weights");
     const at::ScalarType w = p[0].scalar_type();
-    kind = w == at::kChar ? Kind::kInt8 : w == at::kByte ? Kind::kInt4 : Kind::kFloat;
-    const size_t needed = kind == Kind::kFloat ? 1 : kind == Kind::kInt8 ? 2 : 3;
+    kind = w == at::kChar ? Kind::kInt8 : w != at::kByte ? Kind::kFloat
+           : p.size() > 1 && p[1].dim() == 3 ? Kind::kTorchInt4 : Kind::kInt4;
+    const size_t needed = kind == Kind::kFloat ? 1 : kind == Kind::kInt4 ? 3 : 2;
     TORCH_CHECK(p.size() == needed || p.size() == needed + 1, "decode_layers: a ", w, " product takes ", needed,
                 " tensors and an optional bias, not ", p.size());
     bias = p.size() > needed ? &p[needed] : nullptr;
@@ -49,10 +52,12 @@ struct Product {
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
+    const int64_t k = x.size(1);
     switch (kind) {
       case Kind::kFloat: y = skinny_linear(x, parts[0]); break;
       case Kind::kInt8: y = skinny_linear_int8(x, parts[0], parts[1]); break;
-      case Kind::kInt4: y = skinny_linear_int4(x, parts[0], parts[1], parts[2], x.size(1) / parts[1].size(1)); break;
+      case Kind::kInt4: y = skinny_linear_int4(x, parts[0], parts[1], parts[2], k / parts[1].size(1)); break;
+      case Kind::kTorchInt4: y = at::_weight_int4pack_mm_for_cpu(x, parts[0], k / parts[1].size(0), parts[1]); break;
     }
     return bias == nullptr ? y : y.add_(*bias);
   }
