@@ -10,6 +10,7 @@ import torch
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import SamplingParams
 from cluster.engine.sampler import Draft, Sampler, SampleRow, exponential_noise, noise, noise_key
+from cluster.model import cpu_kernels
 from cluster.model.builder import train_tokenizer
 
 V = 8
@@ -82,6 +83,17 @@ def test_seeded_noise_is_splitmix64_of_a_key_from_seed_and_index():
         expected = [-math.log((2 * t + 1) / 2**24) for t in top23]
         assert noise(seed, index, 64).tolist() == pytest.approx(expected, rel=1e-6)
     assert noise_key(1, 0) != noise_key(0, 1) and noise_key(5, 2) == noise_key(5, 2)
+
+
+@pytest.mark.skipif(not cpu_kernels.used(), reason="the CPU kernels are not built on this machine")
+def test_the_kernels_draw_the_same_noise_as_torch_s_int64_ops(monkeypatch):
+    """`tandem_cpu::race_uniforms` makes the uniforms the torch expression makes, bit for bit, so a
+    seeded stream is the same on a worker with the kernels and one without."""
+    keys = torch.tensor([noise_key(s, i) - 2**63 for s, i in [(0, 0), (7, 3), (2**64 - 1, 95), (2**63, 1)]])
+    keys = torch.cat([keys, torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    with_kernels = exponential_noise(keys, 49_157)
+    monkeypatch.setattr(cpu_kernels, "used", lambda: False)
+    assert torch.equal(with_kernels, exponential_noise(keys, 49_157))
 
 
 def test_seeded_noise_is_exponential_and_unrelated_across_seeds_and_indices():

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from cluster.engine.request import SamplingParams, TokenLogprob
+from cluster.model import cpu_kernels
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -57,6 +58,8 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     splitmix64's output j + 1 for the state `keys[r]`, its top 23 bits k as u = (2k + 1) / 2**24
     (exact in float32, never 0 or 1), and the noise -log(u). Integer products wrap modulo 2**64;
     right shifts are masked to act as logical ones."""
+    if keys.device.type == "cpu" and cpu_kernels.used():  # the same uniforms in one pass (20 ms for 8 rows here)
+        return torch.ops.tandem_cpu.race_uniforms(keys, vocab).log_().neg_()
     counters = torch.arange(1, vocab + 1, dtype=torch.int64) * _signed(_GOLDEN)
     z = keys[:, None] + counters
     z ^= (z >> 30) & ((1 << 34) - 1)

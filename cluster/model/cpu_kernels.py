@@ -20,6 +20,8 @@
   eager passes (`csrc/elementwise.h`); compiled graphs fuse the same steps themselves.
 - `decode_layers` is the decoder layers' whole decode step, eager, as one call into the kernels above
   (`csrc/decode_layer.cpp`): what the layers' modules compute, without their dispatch.
+- `race_uniforms` draws the uniforms behind sampling's exponential race (`cluster.engine.sampler`), the
+  integers torch's int64 ops made there, in one pass.
 - `decode_attention` is paged attention for decode rows: every cached key and value is read once,
   in place, through the block table (torch's paths either gather the cache into a copy first or,
   under `torch.compile`, spend most of their time on per-element index arithmetic).
@@ -196,6 +198,7 @@ _library.define("silu_mul(Tensor gate_up) -> Tensor")
 _library.define("tile_pack(Tensor weight) -> Tensor")
 _library.define("tile_linear(Tensor x, Tensor packed) -> Tensor")
 _library.define("tile_amx() -> bool")
+_library.define("race_uniforms(Tensor keys, int vocab) -> Tensor")
 _library.define(
     "decode_layers(Tensor x, Tensor[] weights, int[] counts, Tensor cos, Tensor sin, Tensor(a!)[] k_caches,"
     " Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor[] masks, int[] mask_of, int heads,"

@@ -6,5 +6,6 @@
 #include "decode_attention.cpp"
 #include "prefill_attention.cpp"
 #include "quantized_linear.cpp"
+#include "race_noise.cpp"
 #include "skinny_linear.cpp"
 #include "decode_layer.cpp"  // calls the kernels above
