@@ -96,3 +96,21 @@ def test_the_layer_s_weights_are_built_again_after_a_load(hf_models):
     assert again is not first and again[2][1] is layer.self_attn.qkv_proj.scales_f32
     layer.mlp.down_proj = load_model(hf_models["llama"][0], "float32").layers[0].mlp.down_proj
     assert layer.native_weights(x)[-1][0] is layer.mlp.down_proj.weight
+
+
+def test_the_whole_pass_s_arguments_follow_a_load_and_a_swap(hf_models, monkeypatch):
+    """`decode_natively` keeps the flat list of every layer's weights between steps: after a module is
+    put in another's place, or a state loaded, the native pass still computes what the modules do."""
+    model = load_model(hf_models["llama"][0], "float32", weight_dtype="int8")
+    native, by_modules, _, _, results = _decode_both_ways(model, "auto", monkeypatch, lengths=(5,))
+    assert results[-1] is not None and torch.equal(native, by_modules)
+    monkeypatch.undo()  # `decode_natively` as it is
+    model.layers[1].mlp.down_proj = load_model(hf_models["llama"][0], "float32").layers[1].mlp.down_proj
+    native, by_modules, _, _, results = _decode_both_ways(model, "auto", monkeypatch, lengths=(5,))
+    assert results[-1] is not None and torch.equal(native, by_modules)
+    state = model.state_dict()
+    state["layers.1.mlp.down_proj.weight"] = state["layers.1.mlp.down_proj.weight"] * 2
+    model.load_state_dict(state)
+    monkeypatch.undo()
+    again, by_modules, _, _, results = _decode_both_ways(model, "auto", monkeypatch, lengths=(5,))
+    assert results[-1] is not None and torch.equal(again, by_modules) and not torch.equal(again, native)
