@@ -261,62 +261,43 @@ inline void exponentiate(float* scores, int64_t n, float* top, float* sum) {
   *sum = total;
 }
 
-// out[s, qh] = the parts' unnormalised outputs rescaled to their common maximum, over their sums.
-template <typename Q>
-void merge(const float* tops, const float* sums, const float* partial, int64_t num_seqs, int64_t parts,
-           int64_t heads, int64_t dim, Q* out) {
-  at::parallel_for(0, num_seqs * heads, 16, [&](int64_t begin, int64_t end) {
-    float weight[kMaxParts];
-    for (int64_t sq = begin; sq < end; ++sq) {
-      const int64_t s = sq / heads, qh = sq % heads;
-      const auto slot = [&](int64_t part) { return (s * parts + part) * heads + qh; };
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t part = 0; part < parts; ++part) top = std::max(top, tops[slot(part)]);
-      float total = 0.f;
-      for (int64_t part = 0; part < parts; ++part) {
-        const float t = tops[slot(part)];  // -inf: the part admitted no position
-        weight[part] = t == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(t - top);
-        total += weight[part] * sums[slot(part)];
-      }
-      for (int64_t d = 0; d < dim; ++d) {
-        float x = 0.f;
-        for (int64_t part = 0; part < parts; ++part) x += weight[part] * partial[slot(part) * dim + d];
-        out[sq * dim + d] = static_cast<Q>(total > 0.f ? x / total : 0.f);  // fully masked: attends to nothing
-      }
-    }
-  });
-}
-
-// A part leaves its maximum score, sum of exponentials and unnormalised output per query head.
+// Decode attention over a batch of sequences, as tasks any thread may take: `part(task)` for each of
+// `tasks()` (one part of one sequence's context), then `merge(i)` for each of `merges()` (a
+// sequence's query head, its parts' outputs rescaled to their common maximum over their sums).
+// `attend` runs them on torch's threads; `tandem_cpu::decode_layers` on its own, split the same way.
 template <typename Q, typename Rows>
-void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at::Tensor& block_tables,
-            const at::Tensor& mask, int64_t block_size, int64_t kv_heads, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t groups = heads / kv_heads, max_blocks = block_tables.size(1), ctx = mask.size(-1);
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({threads / num_seqs, max_blocks / 8, kMaxParts}));
-  const int64_t blocks_per_part = (max_blocks + parts - 1) / parts, part_ctx = blocks_per_part * block_size;
-  const Q* q_ptr = q.data_ptr<Q>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const bool* masks = mask.data_ptr<bool>();
-  const float fscale = static_cast<float>(scale);
-  std::vector<float> tops(num_seqs * parts * heads), sums(num_seqs * parts * heads);
-  std::vector<float> partial(num_seqs * parts * heads * dim);
+struct Attend {
+  static constexpr int64_t kTaskGrain = 1, kMergeGrain = 16;  // at::parallel_for's grains for each
 
-  at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
+  Attend(const Q* q, Rows keys, Rows values, const int64_t* tables, const bool* masks, int64_t num_seqs, int64_t heads,
+         int64_t dim, int64_t max_blocks, int64_t ctx, int64_t block_size, int64_t kv_heads, int64_t threads,
+         double scale, Q* out)
+      : q(q), keys(keys), values(values), tables(tables), masks(masks), num_seqs(num_seqs), heads(heads), dim(dim),
+        max_blocks(max_blocks), ctx(ctx), block_size(block_size), kv_heads(kv_heads),
+        parts(std::max<int64_t>(1, std::min<int64_t>({threads / num_seqs, max_blocks / 8, kMaxParts}))),
+        blocks_per_part((max_blocks + parts - 1) / parts), part_ctx(blocks_per_part * block_size),
+        fscale(static_cast<float>(scale)), out(out), tops(num_seqs * parts * heads), sums(num_seqs * parts * heads),
+        partial(num_seqs * parts * heads * dim) {}
+
+  int64_t tasks() const { return num_seqs * parts; }
+  int64_t merges() const { return num_seqs * heads; }
+
+  // A part leaves its maximum score, sum of exponentials and unnormalised output per query head.
+  void part(int64_t begin, int64_t end) {
+    const int64_t groups = heads / kv_heads;
     std::vector<float> qf(heads * dim), scores(heads * part_ctx);
     std::vector<int64_t> rows(part_ctx);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / parts, part = task % parts;
+      const int64_t s = task / parts, p = task % parts;
       const int64_t* table = tables + s * max_blocks;
       int64_t n = 0;  // admitted positions of this part, in order
-      for (int64_t b = part * blocks_per_part; b < std::min(max_blocks, (part + 1) * blocks_per_part); ++b) {
+      for (int64_t b = p * blocks_per_part; b < std::min(max_blocks, (p + 1) * blocks_per_part); ++b) {
         const bool* m = masks + s * ctx + b * block_size;
         const int64_t first_row = table[b] * block_size * kv_heads;
         for (int64_t o = 0; o < block_size; ++o)
           if (m[o]) rows[n++] = first_row + o * kv_heads;
       }
-      for (int64_t i = 0; i < heads * dim; ++i) qf[i] = widen(q_ptr[s * heads * dim + i]);
+      for (int64_t i = 0; i < heads * dim; ++i) qf[i] = widen(q[s * heads * dim + i]);
       score(keys, rows.data(), n, qf.data(), kv_heads, groups, dim, fscale, scores.data(), part_ctx);
       for (int64_t qh = 0; qh < heads; ++qh)
         exponentiate(&scores[qh * part_ctx], n, &tops[task * heads + qh], &sums[task * heads + qh]);
@@ -324,9 +305,47 @@ void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at:
       std::fill(acc, acc + heads * dim, 0.f);
       accumulate(values, rows.data(), n, scores.data(), part_ctx, kv_heads, groups, dim, acc);
     }
-  });
+  }
 
-  merge(tops.data(), sums.data(), partial.data(), num_seqs, parts, heads, dim, out.data_ptr<Q>());
+  void merge(int64_t begin, int64_t end) {
+    float weight[kMaxParts];
+    for (int64_t sq = begin; sq < end; ++sq) {
+      const int64_t s = sq / heads, qh = sq % heads;
+      const auto slot = [&](int64_t p) { return (s * parts + p) * heads + qh; };
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, tops[slot(p)]);
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float t = tops[slot(p)];  // -inf: the part admitted no position
+        weight[p] = t == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(t - top);
+        total += weight[p] * sums[slot(p)];
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        float x = 0.f;
+        for (int64_t p = 0; p < parts; ++p) x += weight[p] * partial[slot(p) * dim + d];
+        out[sq * dim + d] = static_cast<Q>(total > 0.f ? x / total : 0.f);  // fully masked: attends to nothing
+      }
+    }
+  }
+
+  const Q* q;
+  Rows keys, values;
+  const int64_t* tables;
+  const bool* masks;
+  int64_t num_seqs, heads, dim, max_blocks, ctx, block_size, kv_heads, parts, blocks_per_part, part_ctx;
+  float fscale;
+  Q* out;
+  std::vector<float> tops, sums, partial;
+};
+
+template <typename Q, typename Rows>
+void attend(const at::Tensor& q, const Rows& keys, const Rows& values, const at::Tensor& block_tables,
+            const at::Tensor& mask, int64_t block_size, int64_t kv_heads, double scale, at::Tensor& out) {
+  Attend<Q, Rows> a(q.data_ptr<Q>(), keys, values, block_tables.data_ptr<int64_t>(), mask.data_ptr<bool>(), q.size(0),
+                    q.size(1), q.size(2), block_tables.size(1), mask.size(-1), block_size, kv_heads,
+                    at::get_num_threads(), scale, out.data_ptr<Q>());
+  at::parallel_for(0, a.tasks(), a.kTaskGrain, [&](int64_t begin, int64_t end) { a.part(begin, end); });
+  at::parallel_for(0, a.merges(), a.kMergeGrain, [&](int64_t begin, int64_t end) { a.merge(begin, end); });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -325,63 +325,100 @@ void product_int4(const Quantised& a, int64_t m0, const float* xsum, const uint8
   }
 }
 
-at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+// One thread's share [n0, n1) of y [rows, n] = x @ W^T over int8 weights [n, k], x quantised as
+// `a`; a scale per weight row, or (`blocks`) per block of 32 columns.
+template <typename Y>
+void int8_rows(const Quantised& a, int64_t rows, const int8_t* w, const float* scales, bool blocks, int64_t n,
+               int64_t n0, int64_t n1, Y* y) {
+  weight_rows(rows, n0, n1, w, std::max<int64_t>(1, a.k), [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+    if (blocks)
+      product_int8<decltype(r)::value, true>(a, m, w, scales, t0, t1, y + m * n, n);
+    else
+      product_int8<decltype(r)::value, false>(a, m, w, scales, t0, t1, y + m * n, n);
+  });
+}
+
+// The same over 4-bit weights (`nibbles` [n, k / 2]) in groups of `group` columns, x quantised (split
+// into even and odd columns) as `a`, `xsum` its sums over each group (`int4_group_sums`).
+template <typename Y>
+void int4_rows(const Quantised& a, int64_t rows, const float* xsum, const uint8_t* nibbles, const float* scales,
+               const float* minimums, int64_t group, int64_t n, int64_t n0, int64_t n1, Y* y) {
+  weight_rows(rows, n0, n1, nibbles, std::max<int64_t>(1, a.k / 2), [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+    product_int4<decltype(r)::value>(a, m, xsum, nibbles, scales, minimums, group, t0, t1, y + m * n, n);
+  });
+}
+
+// The quantised inputs' sums over each group of `group` columns, [rows, k / group].
+inline std::vector<float> int4_group_sums(const Quantised& a, int64_t rows, int64_t group) {
+  const int64_t groups = a.k / group;
+  std::vector<float> sums(rows * groups, 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t b = 0; b < a.blocks; ++b) sums[m * groups + b * kBlock / group] += a.sums[m * a.blocks + b];
+  return sums;
+}
+
+void check_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear_int8 takes x [rows, k] and weight [n, k]");
   TORCH_CHECK(weight.scalar_type() == at::kChar, "skinny_linear_int8 takes int8 weights");
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  const bool blocks = scales.dim() == 2;
-  TORCH_CHECK(scales.size(0) == n && (scales.dim() == 1 || (blocks && k % kBlock == 0 && scales.size(1) == k / kBlock)),
+  const int64_t k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(scales.size(0) == n && (scales.dim() == 1 || (scales.dim() == 2 && k % kBlock == 0 && scales.size(1) == k / kBlock)),
               "skinny_linear_int8 takes a scale per weight row [n], or per block of ", kBlock, " columns [n, k / ",
               kBlock, "]");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear_int8 runs on CPU tensors");
-  TORCH_CHECK(rows <= kMaxRows, "skinny_linear_int8 takes at most ", kMaxRows, " rows, not ", rows);
+  TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear_int8 takes at most ", kMaxRows, " rows, not ", x.size(0));
+}
+
+void check_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales, const at::Tensor& minimums,
+                int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && nibbles.dim() == 2 && x.size(1) == 2 * nibbles.size(1),
+              "skinny_linear_int4 takes x [rows, k] and nibbles [n, k / 2]");
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte, "skinny_linear_int4 takes uint8 nibbles, two to a byte");
+  const int64_t k = x.size(1), n = nibbles.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0 && (group_size & (group_size - 1)) == 0,
+              "skinny_linear_int4: the group size must be a multiple of ", kBlock, " dividing k, and a power of two");
+  TORCH_CHECK(scales.sizes() == minimums.sizes() && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == k / group_size,
+              "skinny_linear_int4 takes scales and minimums [n, k / group_size]");
+  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu(), "skinny_linear_int4 runs on CPU tensors");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear_int4 takes at most ", kMaxRows, " rows, not ", x.size(0));
+}
+
+at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  check_int8(x, weight, scales);
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const Quantised a = quantise(x, /*split=*/false, /*lane_columns=*/4, "skinny_linear_int8");
   std::vector<float> scale_copy;
-  const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = as_float(scales, scale_copy);
-  over_weight_rows(y, wp, std::max<int64_t>(1, k), "skinny_linear_int8",
-                   [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
-                     if (blocks)
-                       product_int8<decltype(r)::value, true>(a, m, wp, sp, t0, t1, yp + m * n, n);
-                     else
-                       product_int8<decltype(r)::value, false>(a, m, wp, sp, t0, t1, yp + m * n, n);
-                   });
+  with_output(y, "skinny_linear_int8", [&](auto zero) {
+    using Y = decltype(zero);
+    over_weight_rows(n, std::max<int64_t>(1, k), [&](int64_t n0, int64_t n1) {
+      int8_rows(a, rows, w.data_ptr<int8_t>(), sp, scales.dim() == 2, n, n0, n1, y.data_ptr<Y>());
+    });
+  });
   return y;
 }
 
 at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
                               const at::Tensor& minimums, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && nibbles.dim() == 2 && x.size(1) == 2 * nibbles.size(1),
-              "skinny_linear_int4 takes x [rows, k] and nibbles [n, k / 2]");
-  TORCH_CHECK(nibbles.scalar_type() == at::kByte, "skinny_linear_int4 takes uint8 nibbles, two to a byte");
+  check_int4(x, nibbles, scales, minimums, group_size);
   const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0);
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0 && (group_size & (group_size - 1)) == 0,
-              "skinny_linear_int4: the group size must be a multiple of ", kBlock, " dividing k, and a power of two");
-  const int64_t groups = k / group_size;
-  TORCH_CHECK(scales.sizes() == minimums.sizes() && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.size(1) == groups,
-              "skinny_linear_int4 takes scales and minimums [n, k / group_size]");
-  TORCH_CHECK(x.device().is_cpu() && nibbles.device().is_cpu(), "skinny_linear_int4 runs on CPU tensors");
-  TORCH_CHECK(rows <= kMaxRows, "skinny_linear_int4 takes at most ", kMaxRows, " rows, not ", rows);
   const at::Tensor q = nibbles.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const Quantised a = quantise(x, /*split=*/true, /*lane_columns=*/8, "skinny_linear_int4");
-  std::vector<float> group_sums(rows * groups, 0.f);  // the quantised inputs' sums over each group
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t b = 0; b < a.blocks; ++b) group_sums[m * groups + b * kBlock / group_size] += a.sums[m * a.blocks + b];
-  const float* xs = group_sums.data();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const std::vector<float> xsum = int4_group_sums(a, rows, group_size);
   std::vector<float> scale_copy, low_copy;
   const float *sp = as_float(scales, scale_copy), *lp = as_float(minimums, low_copy);
-  over_weight_rows(y, qp, std::max<int64_t>(1, k / 2), "skinny_linear_int4",
-                   [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
-                     product_int4<decltype(r)::value>(a, m, xs, qp, sp, lp, group_size, t0, t1, yp + m * n, n);
-                   });
+  with_output(y, "skinny_linear_int4", [&](auto zero) {
+    using Y = decltype(zero);
+    over_weight_rows(n, std::max<int64_t>(1, k / 2), [&](int64_t n0, int64_t n1) {
+      int4_rows(a, rows, xsum.data(), q.data_ptr<uint8_t>(), sp, lp, group_size, n, n0, n1, y.data_ptr<Y>());
+    });
+  });
   return y;
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "vec.h"
 
@@ -59,27 +60,44 @@ void tiled(int64_t rows, int64_t n0, int64_t n1, int64_t tile, Group&& group) {
   }
 }
 
-// The weight rows [0, y.size(1)) split across threads (each row `row_bytes` from `weights`), each
-// thread's first lines asked for, and `group(r, m, t0, t1, yp)` called for every tile and group of
-// input rows (`tiled`), `yp` the output's data as its dtype: float32, bfloat16 or float16.
+// How a product's weight rows are split: at least `grain` rows to a thread, `tile` rows a group pass.
+inline int64_t grain_of(int64_t row_bytes) { return std::max<int64_t>(8, kMinTaskBytes / row_bytes); }
+inline int64_t tile_of(int64_t row_bytes) { return std::max<int64_t>(1, kTileBytes / row_bytes); }
+
+// Thread `tid`'s share of [0, n) among `threads`, as `at::parallel_for(0, n, grain, ...)` splits it on
+// OpenMP (one range where it would not fork): a pass that keeps its own threads
+// (`tandem_cpu::decode_layers`) computes exactly what the kernels called alone compute. Each thread
+// streams one contiguous range: handing out tiles to whichever thread is free, to even out the
+// threads' ends, made an int8 SmolLM2-135M decode pass 1.16x slower on two cores (AMD Zen 3): every
+// tile then starts a stream of its own that the prefetchers must find again.
+inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int64_t tid, int64_t threads) {
+  if (n <= grain || n <= 1 || threads <= 1) return tid == 0 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{n, n};
+  const int64_t used = std::min(threads, (n + grain - 1) / grain), chunk = (n + used - 1) / used;
+  const int64_t begin = std::min(n, tid * chunk);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+// One thread's share [n0, n1) of the weight rows (each `row_bytes` from `weights`): its first lines
+// asked for, and `group(rows, first_row, t0, t1)` called for every tile and group of input rows.
 template <typename Group>
-void over_weight_rows(at::Tensor& y, const void* weights, int64_t row_bytes, const char* name, Group&& group) {
-  const int64_t rows = y.size(0), n = y.size(1);
-  const int64_t grain = std::max<int64_t>(8, kMinTaskBytes / row_bytes);
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
-  const char* first = static_cast<const char*>(weights);
-  const auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      prefetch_first(first + n0 * row_bytes, (n1 - n0) * row_bytes);
-      tiled(rows, n0, n1, tile, [&](auto r, int64_t m, int64_t t0, int64_t t1) { group(r, m, t0, t1, yp); });
-    });
-  };
+void weight_rows(int64_t rows, int64_t n0, int64_t n1, const void* weights, int64_t row_bytes, Group&& group) {
+  prefetch_first(static_cast<const char*>(weights) + n0 * row_bytes, (n1 - n0) * row_bytes);
+  tiled(rows, n0, n1, tile_of(row_bytes), group);
+}
+
+// `share(n0, n1)` over the n weight rows split across torch's threads.
+template <typename Share>
+void over_weight_rows(int64_t n, int64_t row_bytes, Share&& share) {
+  at::parallel_for(0, n, grain_of(row_bytes), share);
+}
+
+// Calls body(zero) with a value of y's dtype: float32, bfloat16 or float16.
+template <typename Body>
+void with_output(const at::Tensor& y, const char* name, Body&& body) {
   switch (y.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
+    case at::kFloat: return body(float{});
+    case at::kBFloat16: return body(c10::BFloat16{});
+    case at::kHalf: return body(c10::Half{});
     default: TORCH_CHECK(false, name, " takes float32, bfloat16 or float16 activations");
   }
 }

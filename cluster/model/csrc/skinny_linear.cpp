@@ -89,6 +89,39 @@ void product_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, int
 }
 #endif
 
+// Whether bfloat16 weights multiply bfloat16 inputs as they are (AVX512-BF16 pair products) rather
+// than the inputs widened to float32 first.
+inline bool bf16_pairs(at::ScalarType weights, int64_t k) {
+#if defined(__AVX512BF16__)
+  return weights == at::kBFloat16 && k % 32 == 0;
+#else
+  (void)weights, (void)k;
+  return false;
+#endif
+}
+
+// One thread's share [n0, n1) of y [rows, n] = x @ W^T, W [n, k] of the inputs' dtype: `xf` the
+// inputs widened to float32, or (`bf16_pairs`) `x` as they are.
+template <typename W>
+void float_rows(const float* xf, const W* x, const W* w, int64_t rows, int64_t k, int64_t n, int64_t n0, int64_t n1,
+                W* y) {
+  const int64_t row_bytes = std::max<int64_t>(1, k * static_cast<int64_t>(sizeof(W)));
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    if (bf16_pairs(at::kBFloat16, k)) {
+      weight_rows(rows, n0, n1, w, row_bytes, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+        product_bf16<decltype(r)::value>(x + m * k, w, k, t0, t1, y + m * n, n);
+      });
+      return;
+    }
+  }
+#endif
+  (void)x;
+  weight_rows(rows, n0, n1, w, row_bytes, [&](auto r, int64_t m, int64_t t0, int64_t t1) {
+    product<decltype(r)::value>(xf + m * k, w, k, t0, t1, y + m * n, n);
+  });
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "skinny_linear takes x [rows, k] and weight [n, k]");
@@ -99,24 +132,14 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-  const int64_t row_bytes = std::max<int64_t>(1, k * w.element_size());
-#if defined(__AVX512BF16__)
-  if (w.scalar_type() == at::kBFloat16 && k % 32 == 0) {
-    const at::Tensor xc = x.contiguous();
-    const auto* xp = xc.data_ptr<c10::BFloat16>();
-    const auto* wp = w.data_ptr<c10::BFloat16>();
-    over_weight_rows(y, wp, row_bytes, "skinny_linear", [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
-      if constexpr (std::is_same_v<std::remove_pointer_t<decltype(yp)>, c10::BFloat16>)
-        product_bf16<decltype(r)::value>(xp + m * k, wp, k, t0, t1, yp + m * n, n);
+  const bool pairs = bf16_pairs(w.scalar_type(), k);
+  const at::Tensor xc = x.contiguous(), xf = pairs ? xc : x.to(at::kFloat).contiguous();
+  with_output(y, "skinny_linear", [&](auto zero) {
+    using W = decltype(zero);  // the weights' dtype, the output's
+    const float* xp = pairs ? nullptr : xf.data_ptr<float>();
+    over_weight_rows(n, std::max<int64_t>(1, k * w.element_size()), [&](int64_t n0, int64_t n1) {
+      float_rows(xp, xc.data_ptr<W>(), w.data_ptr<W>(), rows, k, n, n0, n1, y.data_ptr<W>());
     });
-    return y;
-  }
-#endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  over_weight_rows(y, w.data_ptr(), row_bytes, "skinny_linear", [&](auto r, int64_t m, int64_t t0, int64_t t1, auto* yp) {
-    using W = std::remove_pointer_t<decltype(yp)>;  // the weights' dtype, the output's
-    product<decltype(r)::value>(xp + m * k, static_cast<const W*>(w.data_ptr()), k, t0, t1, yp + m * n, n);
   });
   return y;
 }
