@@ -205,6 +205,52 @@ def step_breakdown(engine: Engine, batch: int, weight_bytes: int, kv_bytes: int,
     }
 
 
+def eager_breakdown(engine: Engine, batch: int, kv_bytes: int, steps: int = 40) -> dict[str, float]:
+    """Where an eager decode step goes, timed around the model's two calls over `steps` steps like
+    `tandem_step_time`'s: the decoder layers' pass (`CausalLM.decode_natively`: every layer's products,
+    attention and the row-wise steps between, in one call where the kernels take it), the LM head's
+    product, each with the bytes it reads per second, and the rest of the step (the embedding, the
+    attention metadata, the final norm, sampling and the Python around them; the layers too, where
+    they run as modules)."""
+    from cluster.model.quant import weight_bytes
+
+    model = engine.runner.model
+    head = sum(t.numel() * t.element_size() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()])
+    plan = decode_plan(batch, CONTEXT, engine.runner.block_size)
+    rows = sample_rows(plan)
+    spent = {"layers": 0.0, "lm_head": 0.0}
+
+    def timing(key: str, call: Callable) -> Callable:
+        def timed_call(*args):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            out = call(*args)
+            spent[key] += time.perf_counter() - start
+            return out
+
+        return timed_call
+
+    model.decode_natively = timing("layers", model.decode_natively)
+    model.compute_logits = timing("lm_head", model.compute_logits)
+    try:
+        engine.runner.execute(plan, rows)
+        spent.update(layers=0.0, lm_head=0.0)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.runner.execute(plan, rows)
+        step = (time.perf_counter() - start) / steps
+    finally:
+        del model.decode_natively, model.compute_logits
+    layers, lm_head = spent["layers"] / steps, spent["lm_head"] / steps
+    return {
+        "step_ms": step * 1e3,
+        "layers_ms": layers * 1e3,
+        "layers_gbps": (weight_bytes(model) - head + kv_bytes) / layers / 1e9,
+        "lm_head_ms": lm_head * 1e3,
+        "lm_head_gbps": head / lm_head / 1e9,
+        "rest_ms": (step - layers - lm_head) * 1e3,
+    }
+
+
 class _TokenClock:
     """A generate() streamer that timestamps each token step as transformers emits it."""
 

@@ -25,7 +25,8 @@ per second (medians over rounds), the ratio Tandem / llama.cpp, and Tandem's dec
 against the memory floor measured beside it. A second table sets each setting against the first (decode
 and prefill speed-ups) and breaks Tandem's compiled step down (`decode_roofline_measure.step_breakdown`):
 the weight products and the attention kernel, each with the bytes it reads per second, the graph's
-element-wise loops, and the rest. The speed-ups over the first setting come twice: from the rounds'
+element-wise loops, and the rest; a third its eager step (`decode_roofline_measure.eager_breakdown`):
+the layers' pass, the LM head's product, the rest. The speed-ups over the first setting come twice: from the rounds'
 medians, and paired: every setting's compiled step in one process, the settings taking turns a
 block of back-to-back steps at a time, each block's step set against the first setting's beside it
 (this machine's speed drifts by 10-20 % between rounds minutes apart; turns seconds apart share it).
@@ -182,7 +183,7 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
 
     import torch
     import torch._inductor.config
-    from decode_roofline_measure import _NoText, step_breakdown, tandem_step_time
+    from decode_roofline_measure import _NoText, eager_breakdown, step_breakdown, tandem_step_time
 
     from cluster.config import SchedulerConfig
     from cluster.engine.request import SamplingParams
@@ -213,6 +214,8 @@ def tandem(folder: str, weights: str, activations: str, threads: int, repeat: in
         step_s, floor, _ = tandem_step_time(engine, 1, "cpu", repeat, matmul=False)
         out[f"decode_{mode}"] = 1 / step_s
         out[f"floor_gbps_{mode}"] = floor / 1e9
+        if mode == "eager":
+            out["eager_breakdown"] = eager_breakdown(engine, 1, kv)
     if breakdown:
         out["breakdown"] = {"step_ms": step_s * 1e3, **step_breakdown(engine, 1, weight_bytes(model), kv, step_s)}
     engine = Engine(model, _NoText(), cache, SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=CONTEXT))
@@ -312,6 +315,7 @@ def main() -> None:
                 f"activations in {activations}; medians of {args.rounds} rounds")  # fmt: skip
     say_unrepacked(records)
     print_breakdown(records)
+    print_eager_breakdown(records)
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": cpu_kind(), "threads": args.threads, "kernels": kernels, "activations": activations}
     meta.update(llama_cpp_python=LLAMA_CPP_PYTHON, kv_dtype=kv_cache(activations).kv_dtype)
@@ -352,6 +356,19 @@ def print_breakdown(records: list[dict]) -> None:
               f"{timed:>7.2f}{b['step_ms']:>7.2f}{b['products_ms']:>8.2f} ({b['products_gbps']:>4.1f})"
               f"{b['attention_ms']:>8.2f} ({b['attention_gbps']:>4.1f}){b['elementwise_ms']:>14.2f}"
               f"{b['rest_ms']:>10.2f}")  # fmt: skip
+
+
+def print_eager_breakdown(records: list[dict]) -> None:
+    """Where each setting's eager step goes (the first round's; `decode_roofline_measure.eager_breakdown`)."""
+    print(
+        "\nthe eager step, ms (GB/s read): the layers' pass (products, attention and the steps between), "
+        "the LM head, the rest"
+    )
+    print(f"{'setting':<8}{'step':>8}{'layers':>16}{'LM head':>16}{'the rest':>10}")
+    for r in records:
+        b = r["rounds"][0][0]["eager_breakdown"]
+        print(f"{r['setting']:<8}{b['step_ms']:>8.2f}{b['layers_ms']:>9.2f} ({b['layers_gbps']:>4.1f})"
+              f"{b['lm_head_ms']:>9.2f} ({b['lm_head_gbps']:>4.1f}){b['rest_ms']:>10.2f}")  # fmt: skip
 
 
 def say_unrepacked(records: list[dict]) -> None:
