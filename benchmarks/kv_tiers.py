@@ -3,6 +3,7 @@ tiers off; host; host + disk; host + disk + shared (Redis); and, under random pl
 lands on a worker that may never have seen its chat), tiers off and every tier.
 
     .venv/bin/python benchmarks/kv_tiers.py [--quick] [--model PATH] [--dtype bfloat16] [--rows off,host+disk+shared]
+        [--prefill-apart]
 
 A real local cluster in this process (no Ray): one prefill and two decode workers over real gRPC,
 fresh for each row, with its three pools together sized to hold about a quarter of the live histories
@@ -23,7 +24,8 @@ the ideal hit rate with every tier on; under random placement with the shared ti
 <= 10 % of the prefix the tiers hold; no row slower than tiers off placed the same way (a tier never
 costs more than recomputing); after the restart, <= 10 % of the cached prefix computed again. Prints
 a table and writes `benchmarks/results/kv_tiers.{json,png}` (`kv_tiers_quick` with `--quick`; suffixed by
-`cluster.cpu.results_suffix()`: `_avx2` on an AVX2-only machine, `_amx` with AMX).
+`cluster.cpu.results_suffix()`: `_avx2` on an AVX2-only machine, `_amx` with AMX; `_apart` with
+`--prefill-apart`, which runs the workers' prompt chunks in passes apart from their decode rows).
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ POOLS = 3  # two decode workers and a prefill worker (`Cluster`)
 BASELINE = {"kv": "off", "random": "off, random placement"}  # recomputing everything, placed the same way
 
 
-def cluster_config(model: Path, dtype: str, tiers: tuple[str, ...], placement: str, blocks: int, tmp: Path, redis: str):
+def cluster_config(
+    model: Path, dtype: str, tiers: tuple[str, ...], placement: str, blocks: int, tmp: Path, redis: str, apart: bool
+):
     from cluster.config import parse_config
 
     config: dict = {"write": "computed"}
@@ -71,7 +75,7 @@ def cluster_config(model: Path, dtype: str, tiers: tuple[str, ...], placement: s
         {
             "model": {"path": str(model), "dtype": dtype},
             "cache": {"block_size": BLOCK, "num_blocks": blocks, "tiers": config},
-            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+            "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "prefill_apart": apart},
             "transfer": {"transport": "grpc", "timeout_s": 120},
             "router": {"local_prefill_max_tokens": 96, "prefix_routing": placement, "max_queued_requests": 512},
             "auth": {"cluster_secret": SECRET},
@@ -99,13 +103,13 @@ class Cluster:
             worker.stop()
 
 
-def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_url: str) -> dict:
+def run_row(name: str, w: Workload, model: Path, dtype: str, blocks: int, redis_url: str, apart: bool) -> dict:
     import redis
 
     redis.Redis.from_url(redis_url, password=SECRET).flushall()  # every row starts with empty tiers
     tiers, placement = ROWS[name]
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(cluster_config(model, dtype, tiers, placement, blocks, Path(tmp), redis_url))
+        cluster = Cluster(cluster_config(model, dtype, tiers, placement, blocks, Path(tmp), redis_url, apart))
         try:
             turns = asyncio.run(converse(cluster.target, w, seed=1))
             loads = {n: worker.load() for n, worker in cluster.workers.items()}
@@ -151,7 +155,7 @@ def queueing(cluster: Cluster) -> dict[str, float]:
     }
 
 
-def restart_row(w: Workload, model: Path, dtype: str, blocks: int, redis_url: str) -> dict:
+def restart_row(w: Workload, model: Path, dtype: str, blocks: int, redis_url: str, apart: bool) -> dict:
     """Host + disk: the chats' first turns, then every worker stopped and started again on the same disk
     directory, and each chat's next turn: what the new workers loaded from disk, and what they computed
     of the prompts' cached prefix."""
@@ -159,7 +163,7 @@ def restart_row(w: Workload, model: Path, dtype: str, blocks: int, redis_url: st
 
     first = Workload(w.conversations, 2, w.system_tokens, w.user_tokens, w.reply_tokens, w.think_s, w.vocab)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = cluster_config(model, dtype, ("host", "disk"), "kv", blocks, Path(tmp), redis_url)
+        cfg = cluster_config(model, dtype, ("host", "disk"), "kv", blocks, Path(tmp), redis_url, apart)
         cluster = Cluster(cfg)
         try:
             turns = asyncio.run(converse(cluster.target, first, seed=2))
@@ -287,6 +291,8 @@ def main() -> None:
     parser.add_argument("--think-s", type=float, default=None, help="mean pause between a reply and the next turn")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run (default: all, and the "
                         "restart); fewer write kv_tiers_rows*.{json,png}, never the full run's files")  # fmt: skip
+    parser.add_argument("--prefill-apart", action="store_true", help="the workers' prompt chunks in passes of their "
+                        "own, apart from decode rows (`scheduler.prefill_apart`)")  # fmt: skip
     args = parser.parse_args()
     chosen = args.rows.split(",")
     if unknown := [name for name in chosen if name not in ROWS]:
@@ -307,8 +313,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), password=SECRET, maxmemory="2gb").start()
         try:
-            rows = {name: run_row(name, w, model, args.dtype, blocks, redis.url) for name in ROWS if name in chosen}
-            restarted = restart_row(w, model, args.dtype, blocks, redis.url) if every else None
+            apart = args.prefill_apart
+            rows = {n: run_row(n, w, model, args.dtype, blocks, redis.url, apart) for n in ROWS if n in chosen}
+            restarted = restart_row(w, model, args.dtype, blocks, redis.url, apart) if every else None
         finally:
             redis.stop()
     kind = cpu_kind()
@@ -316,6 +323,7 @@ def main() -> None:
           f"{blocks} blocks a pool ({kind})")  # fmt: skip
     print_table(rows)
     results = {"workload": w.__dict__, "model": model.name, "blocks": blocks, "cpu": kind, "rows": rows}
+    results["prefill_apart"] = args.prefill_apart
     results["restart"] = restarted
     if restarted is not None:
         print(f"\nworkers restarted on their disk tier: {int(restarted['disk_blocks_loaded'])} blocks loaded from "
@@ -328,7 +336,8 @@ def main() -> None:
     for name, (value, goal, met) in results["goals"].items():
         print(f"  {name}: {value} (goal {goal}) {'met' if met else 'MISSED'}")
     # each kind of CPU its own files, and --quick its own: it never overwrites the full workload's
-    suffix = ("_quick" if args.quick else "") + ("" if every else "_rows") + results_suffix()
+    suffix = ("_quick" if args.quick else "") + ("" if every else "_rows") + ("_apart" if args.prefill_apart else "")
+    suffix += results_suffix()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"kv_tiers{suffix}.json").write_text(json.dumps(results, indent=2))
     plot(rows, OUT / f"kv_tiers{suffix}.png")

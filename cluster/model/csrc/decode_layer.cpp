@@ -5,8 +5,9 @@
 // silu(gate) * up), and in a small model their dispatch costs more than the weights take to read: an
 // int8 SmolLM2-135M step on two cores spent 6 of its 15.6 ms outside every kernel. Here the layer is a
 // sequence of the same kernels called from C++ (`skinny_linear*`, `elementwise.h`, `decode_attention`),
-// with nothing between them but the few tensor views they need, every layer in turn. Each product
-// keeps its own threads.
+// with nothing between them but what they read and write, every layer in turn: where every product
+// is one of the kernels' own, all in one parallel region (`in_one_region`); else the kernels one by
+// one, each keeping its own threads (`decode_layer`).
 //
 // A product is given as the tensors its kernel reads, which say which kernel it is (`Product`):
 //   [weight]                              float weights: `skinny_linear`
@@ -243,8 +244,8 @@ struct Pass {
 // residual sums) into buffers kept for the whole pass. Called alone, the kernels fork and join
 // torch's threads five times a layer, and between them the second thread waited while the first
 // allocated and dispatched the steps between: a third of its time in an int8 SmolLM2-135M step.
-// In one region that pass took 1.23x less time on two cores of an AMD Zen 3 (int4 1.09x; float32,
-// bound by reading four times the bytes, the same).
+// In one region that pass ran 1.23x as fast on two cores of an AMD Zen 3 (int4 1.09x; float32, bound
+// by reading four times the bytes, 1.02x).
 template <typename T, typename Rows>
 void in_one_region(const Pass& p, std::vector<Product>& products, T* h, const T* cos, const T* sin,
                    Rows (*rows_of)(const at::Tensor&)) {
