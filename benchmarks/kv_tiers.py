@@ -280,10 +280,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     ])  # fmt: skip
 
 
-def main() -> None:
-    from cluster.cpu import cpu_kind, results_suffix  # the kind of CPU each figure comes from
-    from tests.redis_server import RedisServer
-
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the demo model, 16 conversations of 4 turns")
     parser.add_argument("--model", default=None, help="a model folder (default: the demo model)")
@@ -293,7 +290,14 @@ def main() -> None:
                         "restart); fewer write kv_tiers_rows*.{json,png}, never the full run's files")  # fmt: skip
     parser.add_argument("--prefill-apart", action="store_true", help="the workers' prompt chunks in passes of their "
                         "own, apart from decode rows (`scheduler.prefill_apart`)")  # fmt: skip
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    from cluster.cpu import cpu_kind, results_suffix  # the kind of CPU each figure comes from
+    from tests.redis_server import RedisServer
+
+    args = arguments()
     chosen = args.rows.split(",")
     if unknown := [name for name in chosen if name not in ROWS]:
         raise SystemExit(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
