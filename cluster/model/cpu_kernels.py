@@ -1,4 +1,4 @@
-"""CPU kernels torch lacks, built from `cluster/model/csrc/` on first use.
+"""CPU kernels torch lacks, built from `cluster/model/csrc/` (`cluster.model.kernel_build`).
 
 - `skinny_linear` multiplies a few rows (up to `SKINNY_MAX_ROWS`) by a weight matrix, streaming
   each weight row once for all of them: decode's products, which torch's GEMM kernels run at a
@@ -27,66 +27,31 @@
   under `torch.compile`, spend most of their time on per-element index arithmetic).
 
 The sources are compiled with the machine's own C++ compiler through `torch.utils.cpp_extension`,
-once per source version and instruction set (cached under `TORCH_EXTENSIONS_DIR`, by default
-`~/.cache/torch_extensions`). The instruction set is chosen at run time by the CPU's flags, never by
-where the kernels were built (`VARIANTS`): AVX-512 with AVX512-BF16 pair products, AVX-512
-without, or AVX2 with FMA and F16C, whose vector paths are eight lanes wide where AVX-512's are
-sixteen. `TANDEM_CPU_KERNELS` names one (tests run each path the CPU can), or `0` for none. Where
-they cannot be built (no compiler, a CPU with neither) callers keep torch's paths; the outputs
-agree to float32 rounding.
+once per source version and instruction set, by the install step where it can
+(`cluster.model.kernel_build`, which says where the builds live). The instruction set is chosen at
+run time by the CPU's flags, never by where the kernels were built (`VARIANTS`): AVX-512 with
+AVX512-BF16 pair products, AVX-512 without, or AVX2 with FMA and F16C, whose vector paths are eight
+lanes wide where AVX-512's are sixteen. `TANDEM_CPU_KERNELS` names one (tests run each path the CPU
+can), or `0` for none. Where they cannot be built (no compiler, a CPU with neither) callers keep
+torch's paths; the outputs agree to float32 rounding.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
-from pathlib import Path
 
 import torch
 
+from cluster.model import kernel_build
+from cluster.model.kernel_build import VARIANTS as VARIANTS  # the instruction sets, where they are built
+from cluster.model.kernel_build import supported as supported
+from cluster.model.kernel_build import variant as variant
+
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "kernels.cpp"]  # includes every source: one translation unit (see there)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the build's outcome, once tried; "vector": the build has vector paths
-
-_AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-# Instruction sets the kernels are built for, best first: the CPU flags each needs, and the compiler's.
-# Every CPU with AVX512-BF16 has AVX512-VNNI (the quantised products' `vpdpbusd`).
-VARIANTS = {
-    "avx512_bf16": (
-        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"},
-        [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
-    ),
-    "avx512": ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, _AVX512),
-    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
-}
-
-
-def supported() -> list[str]:
-    """The variants this CPU runs, best first."""
-    from cluster.cpu import cpu_flags
-
-    return [name for name, (needs, _) in VARIANTS.items() if needs <= cpu_flags()]
-
-
-def variant() -> str | None:
-    """The instruction set the kernels are built for here: `TANDEM_CPU_KERNELS` if it names one this
-    CPU runs, else the best it runs; None for `TANDEM_CPU_KERNELS=0` or a CPU with none of them
-    (their plain loops, which torch's kernels outrun, are kept for tests: "portable")."""
-    chosen = os.environ.get("TANDEM_CPU_KERNELS", "auto")
-    if chosen == "0":
-        return None
-    if chosen == "portable":
-        return "portable"
-    runs = supported()
-    if chosen not in ("auto", *runs):
-        known = ", ".join([*VARIANTS, "portable", "0"])
-        raise ValueError(f"TANDEM_CPU_KERNELS={chosen!r}: this CPU runs {runs or 'none of them'} (known: {known})")
-    return chosen if chosen != "auto" else (runs[0] if runs else "portable")
 
 
 def available() -> bool:
@@ -139,38 +104,12 @@ def _load() -> bool:
     name = variant()
     if name is None:
         return False
-    flags = VARIANTS[name][1] if name in VARIANTS else []
     try:
-        from torch.utils import cpp_extension
-
-        library = f"tandem_cpu_kernels_{name}"
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(library, verbose=False)))
-        cpp_extension.load(
-            name=library,
-            sources=[str(p) for p in _SOURCES],
-            extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3", "-mtune=native", *flags, "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        torch.ops.load_library(str(kernel_build.built(name)))
     except Exception as e:  # no compiler, no ninja, an unsupported platform: torch's path still works
         log.warning("CPU kernels unavailable, using torch's kernels instead: %s", e)
         return False
     return True
-
-
-def _clear_stale_lock(build_dir: Path, max_age_s: float = 900.0) -> None:
-    """torch's build lock outlives a build that was killed (Ctrl-C, a timeout), and every later
-    start would wait on it forever. A build takes a few minutes at most: an older lock is stale."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > max_age_s:
-        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-        lock.unlink(missing_ok=True)
 
 
 _library = torch.library.Library("tandem_cpu", "DEF")
