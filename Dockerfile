@@ -17,8 +17,10 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Extras of the tandem-serve package: http (OpenAI API), otlp (trace export), gpu (NCCL).
 ARG EXTRAS=http,otlp
 
-# KubeRay's default probes on Ray pods call wget. g++ builds the CPU kernels (cluster/model/cpu_kernels.py)
-# on the node that runs them, for its own CPU; without it workers fall back to torch's paths.
+# KubeRay's default probes on Ray pods call wget. g++ builds the CPU kernels (cluster/model/kernel_build.py)
+# on the node that runs them, for its own CPU, once (under $HOME/.cache/tandem/kernels, or
+# TANDEM_KERNELS_DIR: a volume there keeps them across pod restarts); without it workers fall back to
+# torch's paths.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget g++ \
     && rm -rf /var/lib/apt/lists/*
