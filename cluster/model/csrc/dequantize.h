@@ -55,11 +55,14 @@ inline at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& sc
   std::vector<float> scale_copy;
   const float* s = as_float(scales, scale_copy);
   const int8_t* wp = w.data_ptr<int8_t>();
+  const int64_t step = blocks ? kBlock : k;  // the columns one scale covers
   return dequantized(n, k, dtype, [&](int64_t r, auto* out) {
     using Y = std::remove_pointer_t<decltype(out)>;
     const int8_t* row = wp + r * k;
-    for (int64_t c = 0; c < k; ++c)
-      out[c] = static_cast<Y>(static_cast<float>(row[c]) * (blocks ? s[r * (k / kBlock) + c / kBlock] : s[r]));
+    for (int64_t c0 = 0; c0 < k; c0 += step) {  // a loop the compiler vectorises: one scale throughout
+      const float scale = blocks ? s[r * (k / kBlock) + c0 / kBlock] : s[r];
+      for (int64_t c = c0; c < c0 + step; ++c) out[c] = static_cast<Y>(static_cast<float>(row[c]) * scale);
+    }
   });
 }
 
