@@ -123,6 +123,7 @@ def stand_in_main(commands, events, config_json: str, step_s: float = 0.01) -> N
     import torch
 
     from cluster.config import ClusterConfig
+    from cluster.engine.core_process import say_hello
     from cluster.model.arch import ModelArch
     from cluster.model.tokenizer import Tokenizer
     from decode_worker.engine_loop import CoreInfo, EngineLoop
@@ -133,7 +134,7 @@ def stand_in_main(commands, events, config_json: str, step_s: float = 0.01) -> N
     engine = StandInEngine(step_s, config.scheduler.max_num_seqs, tokens, config.cache.num_blocks)
     shape = (1, config.cache.block_size, arch.num_kv_heads, arch.head_dim)  # no transfer lands: one block a layer
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
-    events.send(CoreInfo(arch, config.cache.block_size, kv, b"stand-in", engine.occupancy))
+    say_hello(events, CoreInfo(arch, config.cache.block_size, kv, b"stand-in", engine.occupancy))
     EngineLoop(engine, commands, events).run()
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from cluster.config import load_config
 from cluster.cpu import auto_dtype
-from cluster.model.arch import ARCHITECTURES
-from cluster.model.builder import PRESETS
+from cluster.model.arch import ARCHITECTURES, PRESETS
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

@@ -1,9 +1,10 @@
 """`tandem serve`, `tandem control` and `tandem router`: the processes that run a cluster.
 
-tandem serve [--config FILE] [--model DIR] [--prompt TEXT]
+tandem serve [--config FILE] [--model DIR] [--prompt TEXT] [--verbose]
         start the cluster on Ray (a local one by default) and its router (and router.replicas - 1
         more on its port); with --prompt, answer it through the client SDK and shut down (unless
-        --keep-serving); no config: every default, on the bundled demo model or on --model
+        --keep-serving); no config: every default, on the bundled demo model or on --model;
+        --verbose: once ready, where the start spent its time (Ray, each worker's parts, the router)
 tandem control [--config FILE]
         start the cluster on Ray and hold it, no router
 tandem router [--config FILE] [--port P] [--ray-address ADDR]
@@ -15,13 +16,17 @@ Each serves until SIGINT or SIGTERM, then drains; a lost Ray cluster stops it at
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cli.generate import stream
+from cluster import startup
 from cluster.auth import api_keys
 from cluster.config import ClusterConfig, serve_config
 from cluster.cpu import auto_dtype
@@ -50,6 +55,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-tokens", type=int, default=48, help="tokens for --prompt (default: 48)")
     serve.add_argument("--keep-serving", action="store_true", help="with --prompt: keep serving afterwards")
     serve.add_argument("--num-cpus", type=int, default=None, help=NUM_CPUS_HELP)
+    serve.add_argument("--verbose", action="store_true", help="once ready, print where the start spent its time")
     serve.set_defaults(run=_serve)
 
     control = commands.add_parser("control", help="start the cluster's registry and pools and hold them (no router)")
@@ -75,24 +81,32 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.pools import ray_cluster
     from cluster.pools.ray_observe import ray_view
-    from router.service.replicas import Replicas
-    from router.service.server import from_config
 
     config = serve_config(args.config, args.model)
     port = args.port if args.port is not None else config.router.port
     started = time.perf_counter()
+    # The router's modules (torch among them: its grammars) load while Ray starts, which mostly waits.
+    router_modules = _import_beside("router.service.server", "router.service.replicas")
     print(f"starting Ray and the {config.model.served_name} pools in {dtype_note(config)} ...", file=sys.stderr)
     print(sampling_note(config), file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
     router, http, replicas, lifeline = None, None, None, None
     try:
-        router = from_config(config, cluster.discover, cluster)
-        address = router.start(f"{config.router.host}:{port}")
-        router.join(cluster)
+        with startup.phase("router"):
+            router_modules.join()
+            from router.service.replicas import Replicas
+            from router.service.server import from_config
+
+            router = from_config(config, cluster.discover, cluster)
+            address = router.start(f"{config.router.host}:{port}")
+            router.join(cluster)
         lifeline = _watch_ray(cluster, config, router)
         http = _start_http(config, router, address)
         workers = ", ".join(f"{n} at {a}" for n, a in sorted(cluster.discover().items()))
-        print(f"router at {address}; workers: {workers} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+        ready = time.perf_counter() - started
+        print(f"router at {address}; workers: {workers} ({ready:.1f} s)", file=sys.stderr)
+        if args.verbose:
+            print("\n".join([f"ready in {ready:.2f} s:", *startup.lines(startup.taken())]), file=sys.stderr)
         print("\n".join(ray_view().lines()), file=sys.stderr)
         if args.prompt is not None:
             _answer(args, config, address)
@@ -108,6 +122,20 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         _shut_down(cluster, lifeline, router, http, replicas, config.router.shutdown_timeout_s + 30)
         print("stopped", file=sys.stderr)
+
+
+def _import_beside(*modules: str) -> threading.Thread:
+    """Imports `modules` on a thread of their own; join it before using them (an import that
+    failed there fails again, with its error, where they are used)."""
+
+    def load() -> None:
+        for name in modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+    thread = threading.Thread(target=load, name="imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def _answer(args: argparse.Namespace, config: ClusterConfig, address: str) -> None:
@@ -274,10 +302,12 @@ def _start_http(config: ClusterConfig, router: Router, address: str) -> HTTPServ
     from cluster.tls import channel_credentials
     from router.openai.app import HTTPServer, create_app
 
-    creds = channel_credentials(config.auth) if config.auth.tls_cert else None
-    app = create_app(address, config.model.served_name, router.telemetry.metrics.registry, creds)
-    http = HTTPServer(app, config.router.host, config.router.http_port)
-    print(f"OpenAI-compatible HTTP at http://{http.start()}/v1", file=sys.stderr)
+    with startup.phase("OpenAI face"):
+        creds = channel_credentials(config.auth) if config.auth.tls_cert else None
+        app = create_app(address, config.model.served_name, router.telemetry.metrics.registry, creds)
+        http = HTTPServer(app, config.router.host, config.router.http_port)
+        bound = http.start()
+    print(f"OpenAI-compatible HTTP at http://{bound}/v1", file=sys.stderr)
     return http
 
 

@@ -23,7 +23,6 @@ import grpc
 from tandem.v1 import kv_transfer_pb2 as pb
 
 from cluster.config import AuthConfig
-from cluster.kv.wire import TransferError
 
 SECRET_HEADER = "x-tandem-cluster-secret"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -118,6 +117,9 @@ def verify_capability(
 ) -> None:
     """Raises PERMISSION_DENIED unless `data` is this request's capability, unexpired, genuine,
     and covers `num_tokens` tokens."""
+    # Here, not above: `tandem serve`'s own process imports this module, and the wire format's
+    # imports torch (2.5 s before Ray could start).
+    from cluster.kv.wire import TransferError
 
     def deny(why: str) -> TransferError:
         return TransferError(grpc.StatusCode.PERMISSION_DENIED, f"KV transfer refused: {why}")

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster import startup
 from cluster.config import ClusterConfig
 from cluster.engine.changes import Occupancy
-from cluster.engine.core_process import IDLE_WAKE_S, CoreLoop
+from cluster.engine.core_process import IDLE_WAKE_S, CoreLoop, say_hello
 from cluster.engine.kv_events import KVBatch
 from cluster.engine.request import FirstToken
 from cluster.model.arch import ModelArch
@@ -84,18 +85,21 @@ def build_engine(config: ClusterConfig, shared: bool = False, text: bool = True)
     from cluster.worker_shell import load_model_and_tokenizer
 
     m = config.model
-    model, tokenizer = load_model_and_tokenizer(m)
+    with startup.phase("model"):
+        model, tokenizer = load_model_and_tokenizer(m)
     spec = config.speculative
-    proposer = build_proposer(spec, model, config.cache.block_size, m.seed, m.compile_buckets)
-    engine = Engine(
-        model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
-        compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
-        grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids), shared_kv=shared, text=text,
-        secret=config.auth.secret, lora=lora_part(config),
-    )  # fmt: skip
-    for adapter in startup_adapters(config, model):
-        engine.load_adapter(adapter)
-    engine.warm_up()
+    with startup.phase("engine"):
+        proposer = build_proposer(spec, model, config.cache.block_size, m.seed, m.compile_buckets)
+        engine = Engine(
+            model, tokenizer, config.cache, config.scheduler, tokenizer.eos_token_ids, m.max_model_len, seed=m.seed,
+            compile_buckets=m.compile_buckets, proposer=proposer, num_speculative_tokens=spec.num_tokens,
+            grammars=for_tokenizer(tokenizer, model.arch.vocab_size, tokenizer.eos_token_ids), shared_kv=shared,
+            text=text, secret=config.auth.secret, lora=lora_part(config),
+        )  # fmt: skip
+        for adapter in startup_adapters(config, model):
+            engine.load_adapter(adapter)
+    with startup.phase("warm-up"):
+        engine.warm_up()
     return engine
 
 
@@ -108,7 +112,7 @@ def core_main(commands, events, config_json: str) -> None:  # type: ignore[no-un
     except BaseException as e:  # the front raises it: a bad model or config fails the worker's start
         events.send(RuntimeError(f"the engine core failed to start: {e!r}"))
         raise
-    events.send(info)
+    say_hello(events, info)
     EngineLoop(engine, commands, events).run()
 
 

@@ -33,10 +33,11 @@ from typing import Any
 
 import grpc
 
+from cluster import startup
 from cluster.auth import secret_metadata
 from cluster.config import AuthConfig, ClusterConfig, SchedulerConfig, TransferConfig
 from cluster.engine.changes import Changes
-from cluster.engine.core_process import IDLE_WAKE_S, AdapterCalls, CoreLoop, CorePipe, spawn
+from cluster.engine.core_process import IDLE_WAKE_S, AdapterCalls, CoreLoop, CorePipe, say_hello, spawn
 from cluster.engine.kv_events import KVBatch, KVJournal, replay
 from cluster.engine.request import SamplingParams
 from cluster.kv.collective import CollectiveGroups
@@ -147,17 +148,17 @@ def build_engine(config: ClusterConfig) -> PrefillEngine:
     from cluster.engine.structured import for_tokenizer
     from cluster.worker_shell import load_model_and_tokenizer
 
-    m = config.model
-    model, tokenizer = load_model_and_tokenizer(m)
-    eos = tokenizer.eos_token_ids
-    grammars = for_tokenizer(tokenizer, model.arch.vocab_size, eos)
-    num_blocks = num_kv_blocks(model, config.cache)
-    engine = PrefillEngine(
-        model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=m.seed, grammars=grammars,
-        secret=config.auth.secret, lora=lora_part(config),
-    )  # fmt: skip
-    for adapter in startup_adapters(config, model):
-        engine.load_adapter(adapter)
+    with startup.phase("model"):
+        model, tokenizer = load_model_and_tokenizer(config.model)
+    with startup.phase("engine"):
+        eos, num_blocks = tokenizer.eos_token_ids, num_kv_blocks(model, config.cache)
+        grammars, seed = for_tokenizer(tokenizer, model.arch.vocab_size, eos), config.model.seed
+        engine = PrefillEngine(
+            model, config.cache, config.scheduler, config.transfer, num_blocks, eos, seed=seed, grammars=grammars,
+            secret=config.auth.secret, lora=lora_part(config),
+        )  # fmt: skip
+        for adapter in startup_adapters(config, model):
+            engine.load_adapter(adapter)
     return engine
 
 
@@ -337,7 +338,7 @@ def prefill_core_main(commands, events, config_json: str) -> None:  # type: igno
     except BaseException as e:  # the front raises it: a bad model or config fails the worker's start
         events.send(RuntimeError(f"the prefill engine core failed to start: {e!r}"))
         raise
-    events.send((engine.stats(), engine.kv_journal.root))
+    say_hello(events, (engine.stats(), engine.kv_journal.root))
     try:
         PrefillLoop(engine, senders, commands, events).run()
     finally:

@@ -1,6 +1,7 @@
 """`tandem serve` needs no config: with no arguments it serves the bundled demo model on a local Ray
 with every default, and `tandem serve --model DIR` serves any model folder the same way (as
-`vllm serve MODEL` does). A config file still wins for everything but the model `--model` names."""
+`vllm serve MODEL` does). A config file still wins for everything but the model `--model` names.
+With `--verbose` it says where its start spent its time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import startup
 from cluster.config import BUNDLED_MODEL, ConfigError, serve_config
 from cluster.model.builder import init_model_folder
 
@@ -48,11 +50,23 @@ def serve(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_serve_without_arguments_answers_on_the_bundled_model(tmp_path):
-    result = serve([], cwd=tmp_path)  # not the repository: nothing is read relative to it
+def test_serve_without_arguments_answers_on_the_bundled_model_and_says_where_its_start_went(tmp_path):
+    result = serve(["--verbose"], cwd=tmp_path)  # not the repository: nothing is read relative to it
     assert result.returncode == 0, result.stderr
     assert "starting Ray and the tandem-demo-code pools" in result.stderr
     assert result.stdout.startswith("def add(a, b):") and len(result.stdout) > len("def add(a, b):")
+    [ready] = [float(line.split()[2]) for line in result.stderr.splitlines() if line.startswith("ready in ")]
+    phases = {p.name: p for p in startup.parse(result.stderr.splitlines())}
+    assert list(phases) == ["Ray", "pools", "router"], result.stderr
+    assert sum(p.seconds for p in phases.values()) <= ready + 0.02
+    workers = {w.name: w for w in phases["pools"].parts}
+    assert set(workers) == {"decode-0", "prefill-0"}
+    for worker in workers.values():
+        parts = {p.name: p for p in worker.parts}
+        assert list(parts) == ["Ray: placed, process started", "imports", "engine core", "gRPC server"]
+        assert sum(p.seconds for p in parts.values()) <= worker.seconds + 0.02
+        core = [p.name for p in parts["engine core"].parts]
+        assert core[:3] == ["process start, imports", "model", "engine"]
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
     spawn(main, config, name)   starts `main(commands, events, config_json)` in a spawned process and
                                 waits for its hello (what its front needs to know of the engine once)
+    say_hello(events, value)    the core's hello: `value`, and where its start spent its time
     CorePipe                    the front's end: round-trip calls, one-way commands, and the reader that
                                 hands on each frame the core sends
     CoreLoop                    the core's end: the one thread stepping the engine, which applies every
@@ -24,10 +25,13 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from cluster import startup
 from cluster.config import ClusterConfig, dump_config
 
 log = logging.getLogger(__name__)
@@ -44,17 +48,20 @@ def spawn(
     main: Callable[..., None], config: ClusterConfig, name: str, timeout_s: float = 600.0,
     meanwhile: Callable[[], Any] = lambda: None,
 ) -> tuple[multiprocessing.process.BaseProcess, Any, Any, Any, Any]:  # fmt: skip
-    """Starts `main` in a process of its own and waits until it says hello (its engine built and
-    warmed up), running `meanwhile` here in the meantime. Returns the process, the front's ends of
-    the command and event pipes, the hello, and what `meanwhile` returned; raises CoreDied if the core
-    never says hello, or what it sent instead (its start failed)."""
+    """Starts `main` in a process of its own and waits until it says hello (`say_hello`: its engine
+    built and warmed up), running `meanwhile` here in the meantime. Returns the process, the front's
+    ends of the command and event pipes, the hello's value, and what `meanwhile` returned; raises
+    CoreDied if the core never says hello, or what it sent instead (its start failed). The core's
+    start is noted here as the phase "engine core" (`cluster.startup`)."""
     ctx = multiprocessing.get_context("spawn")  # never fork: the front holds gRPC's and torch's threads
     commands_theirs, commands = ctx.Pipe(duplex=False)
     events, events_theirs = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=main, args=(commands_theirs, events_theirs, dump_config(config)), name=name, daemon=True
     )
-    process.start()
+    began = time.perf_counter()
+    with _no_main_script(main):
+        process.start()
     commands_theirs.close()
     events_theirs.close()
     extra = meanwhile()
@@ -69,7 +76,30 @@ def spawn(
     if isinstance(hello, BaseException):
         process.join(5)
         raise hello
-    return process, commands, events, hello, extra
+    value, phases = hello
+    startup.note(startup.with_rest("engine core", time.perf_counter() - began, phases, "process start, imports"))
+    return process, commands, events, value, extra
+
+
+@contextlib.contextmanager
+def _no_main_script(main: Callable[..., None]) -> Iterator[None]:
+    """A spawned process runs its parent's main script again first (as `__mp_main__`), in case its
+    entry was defined there; a core's entry is defined in a module it imports, and a Ray worker's
+    script imports all of Ray: 0.8 s of each core's start for nothing. So while the process starts,
+    the parent has no script to tell of."""
+    script = sys.modules["__main__"]
+    path = script.__dict__.pop("__file__", None) if main.__module__ != "__main__" else None
+    try:
+        yield
+    finally:
+        if path is not None:
+            script.__file__ = path
+
+
+def say_hello(events, value: object) -> None:  # type: ignore[no-untyped-def]
+    """The core's first message, once its engine is ready: `value` for its front, with the phases
+    its start noted."""
+    events.send((value, startup.taken()))
 
 
 class CorePipe:

@@ -8,7 +8,7 @@ ones are understood. Anything the model code does not implement is refused here,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +169,44 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
             layer_types = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * num_layers
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named shape `cluster.model.builder` writes random-weight folders of."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = True
+    tokenizer_vocab: int = 4096
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(64, 176, 2, 4, 2, vocab_size=512, max_position_embeddings=2048, tokenizer_vocab=512),
+    "smollm-135m": Preset(576, 1536, 30, 9, 3, vocab_size=49152, max_position_embeddings=2048),
+    "llama-1b": Preset(
+        2048,
+        8192,
+        16,
+        32,
+        8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cluster.model.arch import ARCHITECTURES
+from cluster.model.arch import ARCHITECTURES, PRESETS, Preset
 from cluster.model.weights import DTYPES, INDEX_FILE, SINGLE_FILE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -30,45 +29,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@dataclass(frozen=True)
-class Preset:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = True
-    tokenizer_vocab: int = 4096
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(64, 176, 2, 4, 2, vocab_size=512, max_position_embeddings=2048, tokenizer_vocab=512),
-    "smollm-135m": Preset(576, 1536, 30, 9, 3, vocab_size=49152, max_position_embeddings=2048),
-    "llama-1b": Preset(
-        2048,
-        8192,
-        16,
-        32,
-        8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-}
 
 
 def stdlib_sources(max_bytes: int) -> Iterator[str]:

@@ -54,10 +54,10 @@ def empty(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
-def rehome(module: nn.Module, min_bytes: int = MIN_BYTES) -> int:
+def rehome(module: nn.Module, min_bytes: int = MIN_BYTES, values: bool = True) -> int:
     """Moves `module`'s CPU parameters and buffers of at least `min_bytes` into one huge-page mapping
-    (`empty`), in place: the same tensors (tied ones stay tied), the same values, new storage. Returns
-    the bytes moved."""
+    (`empty`), in place: the same tensors (tied ones stay tied), new storage, holding the same values
+    (`values`), or none yet (a model whose weights are about to be read in). Returns the bytes moved."""
     seen: set[int] = set()
     tensors = []
     for t in (*module.parameters(), *module.buffers()):
@@ -72,7 +72,8 @@ def rehome(module: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     with torch.no_grad():
         for t, size in zip(tensors, sizes, strict=True):
             home = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            home.copy_(t)
+            if values:
+                home.copy_(t)
             t.set_(home)
             offset += size
     return offset

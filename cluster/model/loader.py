@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from cluster.model import hugepages, prepack
 from cluster.model.arch import ModelArch, ModelFormatError, model_dir
@@ -56,6 +57,15 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise
         except Exception as e:  # safetensors raises its own error types for a corrupt header
             raise ModelFormatError(f"cannot read {path}: {e}") from None
+
+
+def _empty(model: nn.Module, device: str, dtype: torch.dtype) -> nn.Module:
+    """`model`, built on the meta device, with uninitialised tensors on `device`, its floating-point
+    ones in `dtype`: `Module.to_empty(...).to(dtype)` without a pass over the values, and without
+    the reference `empty_like` that a meta tensor goes through, which imports sympy (a second)."""
+    return model._apply(
+        lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+    )
 
 
 def load_weights(model: CausalLM, folder: Path) -> None:
@@ -114,11 +124,15 @@ def load_model(
     arch = ModelArch.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(arch, draw_weights=False)
-    model = model.to_empty(device=device).to(DTYPES[dtype])
+    model = _empty(model, device, DTYPES[dtype])
     if arch.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # to_empty unties; tie again
+        model.lm_head.weight = model.embed_tokens.weight  # made apart; tie again
     model.inv_freq = rope_inv_freq(arch.rope, arch.head_dim).to(device)  # stays float32
     saved = json.loads((folder / "config.json").read_text()).get(QUANT_KEY)
+    huge = hugepages.wanted(huge_pages, device)
+    if huge and saved is None and weight_dtype == "auto":  # read the weights in where they will stay
+        hugepages.rehome(model, values=False)
+        huge = False
     if saved is not None:
         if weight_dtype not in ("auto", saved["weight_dtype"]):
             raise ValueError(f"{folder} holds {saved['weight_dtype']} weights; it cannot load as {weight_dtype}")
@@ -128,7 +142,7 @@ def load_model(
         load_weights(model, folder)
         quantize(model, weight_dtype, group_size, quantize_lm_head)
     model.eval().requires_grad_(False)
-    if hugepages.wanted(huge_pages, device):
+    if huge:
         hugepages.rehome(model)
     if prepack.wanted(prepack_weights, DTYPES[dtype], device):
         prepack.prepack(model)

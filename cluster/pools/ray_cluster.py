@@ -41,6 +41,7 @@ from typing import Any
 import ray
 from tandem.v1 import worker_pb2
 
+from cluster import startup
 from cluster.config import ClusterConfig, dump_config
 from cluster.lifeline import ClusterUnavailable
 from cluster.pools import ray_head
@@ -71,16 +72,23 @@ def _exit_for_a_restart() -> None:
 class WorkerActor:
     """One prefill or decode worker: builds it from the config, serves gRPC, registers itself."""
 
-    def __init__(self, role: str, name: str, config_json: str, host: str, namespace: str) -> None:
+    def __init__(self, role: str, name: str, config_json: str, host: str, namespace: str, asked_at: float) -> None:
+        startup.note(startup.Phase("Ray: placed, process started", time.time() - asked_at))
         config = ClusterConfig.model_validate_json(config_json)
-        self.worker = importlib.import_module(ROLES[role]).from_config(config, name)
+        with startup.phase("imports"):
+            service = importlib.import_module(ROLES[role])
+        self.worker = service.from_config(config, name)
         self.worker.on_fatal = _exit_for_a_restart
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
-        self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
+        with startup.phase("gRPC server"):
+            self.address = self.worker.start(f"{node_ip}:0").replace("127.0.0.1", node_ip)
         registry = ray.get_actor(CONTROLLER, namespace=namespace)
         registry.register.remote(name, role, self.address)
         threading.Thread(target=mirror_load, args=(self.worker.load, name, role), daemon=True).start()
         threading.Thread(target=self._keep_registered, args=(registry, name, role), daemon=True).start()
+        # Where this start spent its time, from the pool's ask (`asked_at`, the wall clock of the
+        # pool's node: on another node the clocks' offset counts in the first part) to ready.
+        self.startup = startup.Phase(name, time.time() - asked_at, startup.taken())
 
     def _keep_registered(self, registry: Any, name: str, role: str) -> None:
         """Registers again every `REGISTER_EVERY_S`: a registry that Ray started again learns of this
@@ -92,6 +100,10 @@ class WorkerActor:
 
     def get_address(self) -> str:
         return self.address
+
+    def started(self) -> startup.Phase:
+        """Where this worker's start spent its time (a restart's: its own)."""
+        return self.startup
 
     def load(self) -> bytes:
         return self.worker.load().SerializeToString()
@@ -126,7 +138,7 @@ class _RayWorkers:
             num_gpus=pool.num_gpus,
             resources={pool.resource: 1} if pool.resource else None,
             scheduling_strategy="SPREAD" if pool.placement_strategy == "SPREAD" else "DEFAULT",
-        ).remote(self.role, name, self._config_json, self.host, self.namespace)
+        ).remote(self.role, name, self._config_json, self.host, self.namespace, time.time())
 
     def load(self, name: str) -> worker_pb2.WorkerLoad | None:
         try:
@@ -183,13 +195,14 @@ class PoolActor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    def start(self, timeout_s: float) -> list[str]:
+    def start(self, timeout_s: float) -> list[startup.Phase]:
+        """Starts the pool's first workers; returns where each one's start spent its time."""
         with self._lock:
             names = self.controller.start()
-        ray.get([self.ops.actors[n].get_address.remote() for n in names], timeout=timeout_s)
+        started = ray.get([self.ops.actors[n].started.remote() for n in names], timeout=timeout_s)
         self._report_size()
         threading.Thread(target=self._loop, daemon=True).start()
-        return names
+        return started
 
     def scale(self, replicas: int | None) -> bytes:
         with self._lock:
@@ -384,7 +397,8 @@ def start(
         if head_ha:  # the GCS keeps its tables in Redis, and is started again when it dies
             redis, prefix = ray_head.redis_options(config.ray_ha)
             local.update(redis)
-        ray.init(address=config.ray_address, namespace=namespace, **{**local, **ray_init})
+        with startup.phase("Ray"):
+            ray.init(address=config.ray_address, namespace=namespace, **{**local, **ray_init})
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
     cluster = RayCluster(config, namespace, {CONTROLLER: controller}, started_ray=started)
     if head_ha:
@@ -397,7 +411,9 @@ def start(
             for role in POOLS
         ]
         cluster.actors.update({f"pool-{role}": pool for role, pool in zip(POOLS, pools, strict=True)})
-        ray.get([pool.start.remote(timeout_s) for pool in pools], timeout=timeout_s)
+        began = time.perf_counter()
+        workers = ray.get([pool.start.remote(timeout_s) for pool in pools], timeout=timeout_s)
+        startup.note(startup.Phase("pools", time.perf_counter() - began, [w for pool in workers for w in pool]))
     except Exception:
         cluster.shutdown()
         raise
