@@ -16,11 +16,8 @@ Each serves until SIGINT or SIGTERM, then drains; a lost Ray cluster stops it at
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -81,22 +78,18 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.pools import ray_cluster
     from cluster.pools.ray_observe import ray_view
+    from router.service.replicas import Replicas
+    from router.service.server import from_config
 
     config = serve_config(args.config, args.model)
     port = args.port if args.port is not None else config.router.port
     started = time.perf_counter()
-    # The router's modules (torch among them: its grammars) load while Ray starts, which mostly waits.
-    router_modules = _import_beside("router.service.server", "router.service.replicas")
     print(f"starting Ray and the {config.model.served_name} pools in {dtype_note(config)} ...", file=sys.stderr)
     print(sampling_note(config), file=sys.stderr)
     cluster = ray_cluster.start(config, **({"num_cpus": args.num_cpus} if args.num_cpus else {}))
     router, http, replicas, lifeline = None, None, None, None
     try:
         with startup.phase("router"):
-            router_modules.join()
-            from router.service.replicas import Replicas
-            from router.service.server import from_config
-
             router = from_config(config, cluster.discover, cluster)
             address = router.start(f"{config.router.host}:{port}")
             router.join(cluster)
@@ -122,20 +115,6 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         _shut_down(cluster, lifeline, router, http, replicas, config.router.shutdown_timeout_s + 30)
         print("stopped", file=sys.stderr)
-
-
-def _import_beside(*modules: str) -> threading.Thread:
-    """Imports `modules` on a thread of their own; join it before using them (an import that
-    failed there fails again, with its error, where they are used)."""
-
-    def load() -> None:
-        for name in modules:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-    thread = threading.Thread(target=load, name="imports", daemon=True)
-    thread.start()
-    return thread
 
 
 def _answer(args: argparse.Namespace, config: ClusterConfig, address: str) -> None:

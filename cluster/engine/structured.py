@@ -30,13 +30,18 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_numpy  # not llguidance.torch: importing it compiles a kernel we do not use
-import torch
+import numpy as np
 
 from cluster.engine.request import Constraint
-from cluster.engine.sampler import Draft, SampleRow
+
+if TYPE_CHECKING:
+    import torch
+
+    from cluster.engine.sampler import Draft, SampleRow
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex, grammar or the choices together
 MAX_CHOICES = 1024
@@ -160,9 +165,9 @@ class Grammars:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.words = (vocab_size + 31) // 32
-        self._eos_only = torch.zeros(self.words, dtype=torch.int32)
+        self._eos_only = np.zeros(self.words, dtype=np.int32)
         for t in self.eos_token_ids:
-            self._eos_only[t // 32] |= _bit(t % 32)
+            self._eos_only[t // 32] |= np.int32(_bit(t % 32))
         self.compiles = 0  # distinct constraints compiled (cache misses)
 
     @property
@@ -204,10 +209,12 @@ class Grammars:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _fill(self, entries: list[tuple[Matcher, Sequence[int]]], rows: int) -> torch.Tensor:
-        bitmask = torch.empty(rows, self.words, dtype=torch.int32)
+        import torch  # here: the router, which only checks constraints, runs without torch
+
+        bitmask, eos_only = torch.empty(rows, self.words, dtype=torch.int32), torch.from_numpy(self._eos_only)
         at = 0
         for matcher, draft in entries:
-            at += matcher.fill(bitmask, at, draft, self._eos_only)
+            at += matcher.fill(bitmask, at, draft, eos_only)
         return bitmask
 
     def _compile(self, c: Constraint) -> llguidance.LLMatcher:
@@ -247,9 +254,9 @@ class Grammars:
         """Takes a first step: the first mask, and one token it allows. A grammar too complex
         for the limits fails here (most at their first token), so it is refused where it is
         checked, not on the worker in the middle of a batch. Returns the error, or ""."""
-        bitmask = torch.zeros(1, self.words, dtype=torch.int32)
-        llg_numpy.fill_next_token_bitmask(m, bitmask.numpy(), 0)
-        words = (bitmask[0] & ~self._eos_only).nonzero()
+        bitmask = np.zeros((1, self.words), dtype=np.int32)
+        llg_numpy.fill_next_token_bitmask(m, bitmask, 0)
+        words = np.flatnonzero(bitmask[0] & ~self._eos_only)
         if not m.is_error() and len(words):
             word = int(words[0])
             bits = int(bitmask[0, word]) & ~int(self._eos_only[word]) & 0xFFFFFFFF
@@ -264,7 +271,7 @@ def grammatical(matcher: Matcher | None, draft: Draft) -> Draft:
     n = matcher.valid_prefix(draft.tokens)
     if n == len(draft.tokens):
         return draft
-    return Draft(draft.tokens[:n], draft.probs[:n] if draft.probs is not None else None)
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n])
 
 
 def for_tokenizer(tokenizer: object, vocab_size: int, eos_token_ids: Sequence[int]) -> Grammars | None:
