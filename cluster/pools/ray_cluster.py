@@ -102,7 +102,7 @@ class WorkerActor:
         return self.address
 
     def started(self) -> startup.Phase:
-        """Where this worker's start spent its time (a restart's: its own)."""
+        """Where this worker's start spent its time (after a restart, Ray's part counts from the first ask)."""
         return self.startup
 
     def load(self) -> bytes:
