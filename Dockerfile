@@ -17,10 +17,10 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Extras of the tandem-serve package: http (OpenAI API), otlp (trace export), gpu (NCCL).
 ARG EXTRAS=http,otlp
 
-# KubeRay's default probes on Ray pods call wget. g++ builds the CPU kernels (cluster/model/kernel_build.py)
-# on the node that runs them, for its own CPU, once (under $HOME/.cache/tandem/kernels, or
-# TANDEM_KERNELS_DIR: a volume there keeps them across pod restarts); without it workers fall back to
-# torch's paths.
+# KubeRay's default probes on Ray pods call wget. g++ builds the CPU kernels (cluster/model/kernel_build.py):
+# here, for every instruction set the dispatch knows, so a pod on any x86 node finds its own built; a
+# pod whose image lacks them (a changed source) builds them on its first start, under
+# TANDEM_KERNELS_DIR; without g++ workers fall back to torch's paths.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget g++ \
     && rm -rf /var/lib/apt/lists/*
@@ -30,6 +30,8 @@ COPY . .
 RUN python -m pip install --no-cache-dir --upgrade pip \
     && python -m pip install --no-cache-dir ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
         -c constraints.txt ".[${EXTRAS}]"
+ENV TANDEM_KERNELS_DIR=/opt/tandem/kernels
+RUN python -m cluster.model.kernel_build every && chmod -R a+rX "$TANDEM_KERNELS_DIR"
 
 # The chart runs every pod as user 1000.
 RUN useradd --create-home --uid 1000 tandem

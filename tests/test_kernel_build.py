@@ -131,3 +131,29 @@ def test_the_command_line_refuses_a_variant_this_cpu_cannot_run(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     with pytest.raises(SystemExit, match="does not run the avx512 kernels"):
         kernel_build.main(["avx512"])
+
+
+@pytest.mark.slow
+def test_every_variant_builds_here_and_one_this_cpu_cannot_run_is_never_loaded(tmp_path):
+    """A variant for other machines (an image's, built for nodes of every kind): compiled here without
+    loading it, which on this CPU would die of an illegal instruction."""
+    foreign = [name for name in kernel_build.VARIANTS if name not in kernel_build.supported()]
+    if not foreign:
+        pytest.skip("this CPU runs every variant: none is built for other machines only")
+    command = f"from cluster.model.kernel_build import built; print(built({foreign[-1]!r}))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TANDEM_KERNELS_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", command], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    library = Path(done.stdout.strip())
+    assert library.parent.parent == tmp_path and library.name == f"tandem_cpu_kernels_{foreign[-1]}.so"
+    assert library.stat().st_size > 100_000
+
+
+def test_every_builds_the_variants_this_cpu_cannot_run_too(monkeypatch):
+    from cluster import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    asked = []
+    monkeypatch.setattr(kernel_build, "built", lambda name: asked.append(name) or Path(f"/{name}.so"))
+    kernel_build.main(["every"])
+    assert asked == [*kernel_build.VARIANTS, "portable"]

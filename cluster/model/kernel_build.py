@@ -7,12 +7,14 @@ sources share one build, and a checkout whose sources changed builds its own bes
 start never rebuilds what another checkout built, nor loads a build of other sources.
 
 The build runs in the install step (`python -m cluster.model.kernel_build`, which the Makefile's
-`make run` and `make test` call), so a serving process finds the kernels built; one that does not
-builds them itself and says so. One process builds a variant at a time, under an exclusive lock
-on a file that records its owner; the kernel releases it when its owner dies however it dies, so
-a build that was killed never stalls the next start, and a waiter names whom it waits for, and for
-how long, until it has the lock. A build writes into a staging folder of its own and renames it
-into place when done: a killed build leaves nothing another process would load.
+`make run` and `make test` call; `... kernel_build every` in the image, for nodes of every kind:
+a variant this CPU cannot run is compiled and never loaded here), so a serving process finds the
+kernels built; one that does not builds them itself and says so. One process builds a variant at
+a time, under an exclusive lock on a file that records its owner; the kernel releases it when its
+owner dies however it dies, so a build that was killed never stalls the next start, and a waiter
+names whom it waits for, and for how long, until it has the lock. A build writes into a staging
+folder of its own and renames it into place when done: a killed build leaves nothing another
+process would load.
 """
 
 from __future__ import annotations
@@ -151,16 +153,21 @@ def compile_library(variant: str, into: Path) -> None:
 def _compile(variant: str, into: str) -> None:
     from torch.utils import cpp_extension
 
-    cpp_extension.load(
-        name=library_name(variant),
-        sources=[str(SOURCE)],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=cflags(variant),
-        extra_ldflags=["-fopenmp"],
-        build_directory=into,
-        is_python_module=False,
-        verbose=False,
-    )
+    build = {
+        "name": library_name(variant),
+        "sources": [str(SOURCE)],
+        "extra_include_paths": [str(CSRC)],
+        "extra_cflags": cflags(variant),
+        "extra_ldflags": ["-fopenmp"],
+        "build_directory": into,
+        "verbose": False,
+    }
+    if variant == "portable" or variant in supported():
+        cpp_extension.load(**build, is_python_module=False)  # builds, then loads: what loads here is whole
+    else:  # for another machine: loading it here would die of an illegal instruction (in its initialisers)
+        cpp_extension._write_ninja_file_and_build_library(
+            **build, extra_cuda_cflags=[], extra_sycl_cflags=[], with_cuda=False, with_sycl=False
+        )
 
 
 def prune(variant: str, keep: Path) -> None:
@@ -215,19 +222,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "variants",
         nargs="*",
-        help="variants to build (default: the one this CPU runs; 'all': every one it runs, and the plain loops)",
+        help="variants to build (default: the one this CPU runs; 'all': every one it runs, and the plain loops; "
+        "'every': every variant there is, for machines of every kind, as an image does)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     wanted = args.variants or [variant()]
-    if wanted == ["all"]:
-        wanted = [*supported(), "portable"]
+    every = wanted == ["every"]
+    if wanted in (["all"], ["every"]):
+        wanted = [*(VARIANTS if every else supported()), "portable"]
     for name in wanted:
         if name is None:
             print("CPU kernels: none (TANDEM_CPU_KERNELS=0)")
             continue
-        if name != "portable" and name not in supported():
-            raise SystemExit(f"this CPU does not run the {name} kernels (it runs {supported()})")
+        if name != "portable" and name not in supported() and not every:
+            raise SystemExit(f"this CPU does not run the {name} kernels (it runs {supported()}; 'every' builds them)")
         started = time.monotonic()
         state = "found built" if library(name).exists() else "built"
         try:
@@ -235,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # no compiler, say: torch's kernels serve instead, as they would at run time
             print(f"CPU kernels for {name}: not built, torch's kernels will be used ({e})")
             continue
-        print(f"CPU kernels for {name}: {state} ({time.monotonic() - started:.1f} s) at {path}")
+        elsewhere = (
+            "" if name == "portable" or name in supported() else " (for other machines: this CPU cannot run them)"
+        )
+        print(f"CPU kernels for {name}: {state} ({time.monotonic() - started:.1f} s) at {path}{elsewhere}")
 
 
 if __name__ == "__main__":
