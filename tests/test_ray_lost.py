@@ -323,9 +323,7 @@ def test_serve_whose_gcs_dies_with_ray_ha_loses_nothing_and_its_head_comes_back(
         assert "starting it again from Redis" in serve.log.read_text()
         assert _health(serve.address) == SERVING and len(_streams(serve.address, 4)) == 4
 
-        with grpc.insecure_channel(serve.address) as channel:
-            admin = worker_pb2_grpc.AdminStub(channel)
-            admin.Scale(worker_pb2.ScaleRequest(pool="decode", replicas=3), timeout=60)
+        _scale_once_ray_answers(serve, "decode", 3)
         addresses = _wait_for_workers(serve, 4)  # 1 prefill and 3 decode workers, each healthy
         victim = next(iter(_workers(serve)))
         os.kill(victim, signal.SIGKILL)
@@ -333,6 +331,23 @@ def test_serve_whose_gcs_dies_with_ray_ha_loses_nothing_and_its_head_comes_back(
     finally:
         serve.stop()
         redis.stop()
+
+
+def _scale_once_ray_answers(serve: Serve, pool: str, replicas: int, timeout_s: float = 60.0) -> None:
+    """`Scale`, asked again while it is refused UNAVAILABLE: a GCS started again from Redis may miss
+    the router's probe for a few seconds more while its raylets register anew (on two cores), and
+    scaling waits for Ray, as the refusal says."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(serve.address) as channel:
+        admin = worker_pb2_grpc.AdminStub(channel)
+        while True:
+            try:
+                admin.Scale(worker_pb2.ScaleRequest(pool=pool, replicas=replicas), timeout=60)
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
 
 def _serve_on_redis(tmp_path: Path, router: str = "") -> tuple[RedisServer, Serve]:
