@@ -157,3 +157,37 @@ def test_every_builds_the_variants_this_cpu_cannot_run_too(monkeypatch):
     monkeypatch.setattr(kernel_build, "built", lambda name: asked.append(name) or Path(f"/{name}.so"))
     kernel_build.main(["every"])
     assert asked == [*kernel_build.VARIANTS, "portable"]
+
+
+@pytest.mark.slow
+def test_a_wheel_carries_the_kernels_and_an_installed_process_finds_them_built(tmp_path):
+    """`pip wheel` of the repo (`build_hooks.py`) carries this CPU's kernels; a process of the wheel,
+    installed apart from the checkout, loads them without building anything."""
+    variant = kernel_build.variant()
+    if variant is None:
+        pytest.skip("TANDEM_CPU_KERNELS=0: no kernels to carry")
+    env = dict(os.environ, TANDEM_WHEEL_KERNELS=f"{variant} portable")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    subprocess.run([*pip, "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path, ROOT], env=env, check=True)
+    (wheel,) = tmp_path.glob("tandem_serve-*.whl")
+    assert "-linux_" in wheel.name  # a platform's wheel: it carries native code
+    site, builds = tmp_path / "site", tmp_path / "builds"
+    subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", site, wheel], check=True)
+    probe = (
+        "import cluster.model.cpu_kernels as k, cluster.model.kernel_build as b\n"
+        f"print(k.__file__, b.library({variant!r}), k.available(), sep='\\n')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(site), TANDEM_KERNELS_DIR=str(builds), TANDEM_CPU_KERNELS=variant),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    module, library, available = done.stdout.split()
+    assert Path(module).is_relative_to(site)  # the installed copy, not the checkout's
+    assert Path(library).is_relative_to(site / "cluster" / "model" / "kernels")
+    assert available == "True"
+    assert "building" not in done.stderr, done.stderr
+    assert not builds.exists() or not any(builds.iterdir())  # nothing built beside it

@@ -8,7 +8,8 @@ start never rebuilds what another checkout built, nor loads a build of other sou
 
 The build runs in the install step (`python -m cluster.model.kernel_build`, which the Makefile's
 `make run` and `make test` call; `... kernel_build every` in the image, for nodes of every kind:
-a variant this CPU cannot run is compiled and never loaded here), so a serving process finds the
+a variant this CPU cannot run is compiled and never loaded here; a wheel built from the repo
+carries them in `cluster/model/kernels/`, `build_hooks.py`), so a serving process finds the
 kernels built; one that does not builds them itself and says so. One process builds a variant at
 a time, under an exclusive lock on a file that records its owner; the kernel releases it when its
 owner dies however it dies, so a build that was killed never stalls the next start, and a waiter
@@ -37,6 +38,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+PACKAGED = Path(__file__).parent / "kernels"  # the builds a wheel carries, found before `root()`'s
 ROOT = Path(__file__).resolve().parents[2]  # where `cluster` imports from
 SOURCE = CSRC / "kernels.cpp"  # includes every other source: one translation unit
 KEPT = 4  # builds kept per variant (other checkouts may still use older sources)
@@ -105,9 +107,10 @@ def build_key(variant: str, csrc: Path = CSRC) -> str:
 
 
 def library(variant: str) -> Path:
-    """Where this checkout's build of `variant` is, built or not."""
-    key = build_key(variant)
-    return root() / f"{variant}-{key}" / f"{library_name(variant)}.so"
+    """Where this checkout's build of `variant` is, built or not: the one the installed wheel
+    carries for these sources, torch and Python, else the one under `root()`."""
+    name = Path(f"{variant}-{build_key(variant)}") / f"{library_name(variant)}.so"
+    return PACKAGED / name if (PACKAGED / name).exists() else root() / name
 
 
 def built(variant: str) -> Path:
@@ -170,6 +173,16 @@ def _compile(variant: str, into: str) -> None:
         )
 
 
+def package(variant: str, into: Path) -> Path:
+    """Copies `variant`'s library, built now if no process has built it, into `into` as a wheel
+    carries it (`PACKAGED`'s layout): the library alone, without its build's objects."""
+    path = built(variant)
+    copy = into / path.parent.name / path.name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(path, copy)
+    return copy
+
+
 def prune(variant: str, keep: Path) -> None:
     """Removes all but the `KEPT` newest builds of `variant` (never `keep`, never one being built)."""
     builds = sorted(
@@ -225,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         help="variants to build (default: the one this CPU runs; 'all': every one it runs, and the plain loops; "
         "'every': every variant there is, for machines of every kind, as an image does)",
     )
+    parser.add_argument("--into", type=Path, help="also copy each library into this folder, as a wheel carries them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     wanted = args.variants or [variant()]
@@ -242,12 +256,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             path = built(name)
         except Exception as e:  # no compiler, say: torch's kernels serve instead, as they would at run time
+            if args.into:  # a wheel without them would build them in its first process: refuse instead
+                raise SystemExit(f"CPU kernels for {name}: not built ({e})") from e
             print(f"CPU kernels for {name}: not built, torch's kernels will be used ({e})")
             continue
         elsewhere = (
             "" if name == "portable" or name in supported() else " (for other machines: this CPU cannot run them)"
         )
         print(f"CPU kernels for {name}: {state} ({time.monotonic() - started:.1f} s) at {path}{elsewhere}")
+        if args.into:
+            print(f"  copied to {package(name, args.into)}")
 
 
 if __name__ == "__main__":
