@@ -4,10 +4,13 @@ and does not run its parent's main script again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,77 @@ def test_a_core_sends_its_phases_with_its_hello_and_never_runs_its_parents_scrip
     assert core.name == "engine core" and [p.name for p in core.parts] == ["process start, imports", "model"]
     assert sum(p.seconds for p in core.parts) == pytest.approx(core.seconds, abs=0.02)
     assert not marker.exists(), marker.read_text()
+
+
+FRONT_MARK = None  # set by a front before its core starts: a forked core sees it, a spawned one does not
+
+
+def marked_core(commands, events, config_json: str) -> None:  # type: ignore[no-untyped-def]
+    with startup.phase("model"):
+        pass
+    core_process.say_hello(events, str(FRONT_MARK))
+
+
+def test_the_next_core_of_a_front_that_has_only_imported_forks_from_it_and_later_ones_are_spawned():
+    # A served worker says so before building its core (`fork_next_core`), and its core then starts
+    # with every module imported; the phases the front noted stay the front's.
+    script = textwrap.dedent(f"""
+        from cluster import startup
+        from cluster.config import parse_config
+        from cluster.engine import core_process
+        import tests.test_startup as t
+
+        t.FRONT_MARK = "the front's"
+        with startup.phase("front's imports"):
+            pass
+        config = parse_config({{"model": {{"path": {str(ROOT / "models" / "tandem-demo-code")!r}}}}})
+        core_process.fork_next_core()
+        marks = []
+        for _ in range(2):
+            process, _, _, mark, _ = core_process.spawn(t.marked_core, config, "core", timeout_s=120)
+            process.join(30)
+            marks.append(mark)
+        print(*marks, sep="\\n")
+        print("\\n".join(startup.lines(startup.taken())))
+        """)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'proto'}"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 0, result.stderr
+    forked, spawned, *lines = result.stdout.splitlines()
+    assert (forked, spawned) == ("the front's", "None")
+    front, first, second = startup.parse(lines)
+    assert front.name == "front's imports"
+    for core in (first, second):  # each core's own phases only
+        assert core.name == "engine core" and [p.name for p in core.parts] == ["process start, imports", "model"]
+
+
+def waiting_core(commands, events, config_json: str) -> None:  # type: ignore[no-untyped-def]
+    """A core that waits on its commands until its front is gone."""
+    core_process.say_hello(events, str(os.getpid()))
+    with contextlib.suppress(EOFError):
+        commands.recv()
+
+
+def test_a_forked_core_exits_when_its_front_is_killed():
+    # A forked core holds copies of every descriptor its front had: the front's ends of their pipes
+    # among them, which it must close, or it would never read the end of its commands.
+    script = textwrap.dedent(f"""
+        import os, signal
+        from cluster.config import parse_config
+        from cluster.engine import core_process
+        import tests.test_startup as t
+
+        config = parse_config({{"model": {{"path": {str(ROOT / "models" / "tandem-demo-code")!r}}}}})
+        core_process.fork_next_core()
+        _, _, _, pid, _ = core_process.spawn(t.waiting_core, config, "core", timeout_s=120)
+        print(pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'proto'}"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    core = Path(f"/proc/{int(result.stdout)}/status")
+    deadline = time.monotonic() + 30
+    while core.exists() and "\nState:\tZ" not in core.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not core.exists() or "\nState:\tZ" in core.read_text(), "the core outlived its front"

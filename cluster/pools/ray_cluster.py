@@ -43,6 +43,7 @@ from tandem.v1 import worker_pb2
 
 from cluster import startup
 from cluster.config import ClusterConfig, dump_config
+from cluster.engine import core_process
 from cluster.lifeline import ClusterUnavailable
 from cluster.pools import ray_head
 from cluster.pools.controller import PoolController
@@ -77,6 +78,7 @@ class WorkerActor:
         config = ClusterConfig.model_validate_json(config_json)
         with startup.phase("imports"):
             service = importlib.import_module(ROLES[role])
+        core_process.fork_next_core()  # this process has only imported yet
         self.worker = service.from_config(config, name)
         self.worker.on_fatal = _exit_for_a_restart
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
