@@ -1,29 +1,38 @@
 """`tandem serve` from the command to ready, first run and warm, and where the time goes.
 
-    .venv/bin/python benchmarks/serve_start.py [--warm 2] [--models demo,smollm2]
+    .venv/bin/python benchmarks/serve_start.py [--warm 2] [--joined 2] [--models demo,smollm2]
 
 For each model (the bundled demo model; SmolLM2-135M-Instruct as `make run` serves it), a first run
 and `--warm` more, one after another: `tandem serve --verbose --prompt ...`, whose breakdown
 (`cluster.startup`) the table shows beside the command's wall clock to ready (its own start, before
-it reads its config, is the difference). The first run is on a cold page cache where this process
-may drop it (root: `/proc/sys/vm/drop_caches`), as on a machine that just booted: torch's libraries,
-the model's file and every module read from disk; else it is only the first, and the table says so.
-The kernels are built by the set-up step, as `make run` and `make test` build them, before any run.
+it reads its config, is the difference). Then `--joined` more per model that join a Ray head already
+running (`ray_address`), as a cluster's Ray is: the start without Ray's own. The first run is on a
+cold page cache where this process may drop it (root: `/proc/sys/vm/drop_caches`), as on a machine
+that just booted: torch's libraries, the model's file and every module read from disk; else it is
+only the first, and the table says so. The kernels are built by the set-up step, as `make run` and
+`make test` build them, before any run.
 
-Goals (issue: ready in seconds): ready within 10 s warm and 20 s on the first run. Prints a table and
-writes `benchmarks/results/serve_start{suffix}.{json,png}` (`cluster.cpu.results_suffix`).
+Goals (issue: ready in seconds): ready within 10 s warm and 20 s on the first run. Prints a table
+and writes `benchmarks/results/serve_start{suffix}.{json,png}` (`cluster.cpu.results_suffix`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,6 +50,9 @@ MODELS = {  # name -> the arguments that serve it, and its prompt
 }
 GOALS = {"first": 20.0, "warm": 10.0}
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+# A Ray head started apart asks its token of every process that joins it, as `ray.init`'s own does
+# (docs/operations.md): the head, `ray status` and the joining `tandem serve` all say so.
+JOINING_ENV = {"RAY_AUTH_MODE": "token"}
 
 
 def drop_page_cache() -> bool:
@@ -53,13 +65,16 @@ def drop_page_cache() -> bool:
         return False
 
 
-def serve_once(model: str) -> dict:
+def serve_once(model: str, ray_address: str | None = None) -> dict:
     """One `tandem serve --verbose --prompt` to its end: the wall clock to the ready line, and the
-    breakdown it printed."""
+    breakdown it printed. With `ray_address`, it joins that Ray rather than starting its own."""
     args, prompt = MODELS[model]
+    if ray_address is not None:
+        args = ["--config", str(joining(args, ray_address)), *args[2:]]
     command = [TANDEM, "serve", *args, "--port", "0", "--verbose", "--prompt", prompt, "--max-tokens", "4"]
     began = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, **(JOINING_ENV if ray_address is not None else {}))
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines, to_ready = [], None
     for line in process.stderr:  # type: ignore[union-attr]
         lines.append(line.rstrip("\n"))
@@ -72,6 +87,50 @@ def serve_once(model: str) -> dict:
     phases = startup.parse(lines)
     return {"to_ready_s": to_ready, "ready_s": ready, "command_start_s": to_ready - ready, "answer": answer.strip(),
             "phases": [_as_dict(p) for p in phases]}  # fmt: skip
+
+
+def joining(args: list[str], ray_address: str) -> Path:
+    """The model's config (`--config` in `args`, or the defaults' demo model) with `ray_address` set."""
+    demo = {"model": {"path": str(ROOT / "models" / "tandem-demo-code")}}
+    config = yaml.safe_load(Path(args[1]).read_text()) if args[:1] == ["--config"] else demo
+    path = Path(tempfile.gettempdir()) / f"serve_start_{os.getpid()}.yaml"
+    path.write_text(yaml.safe_dump({**config, "ray_address": ray_address}))
+    return path
+
+
+@contextlib.contextmanager
+def ray_head(cores: int) -> Iterator[str]:
+    """A Ray head of its own (`ray start --head --block`, dashboard and all), stopped with its
+    processes when done (never `ray stop`: it would stop every Ray on the machine)."""
+    port = free_port()
+    ray = Path(sys.executable).parent / "ray"
+    command = [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={cores}", "--disable-usage-stats"]
+    env = dict(os.environ, **JOINING_ENV)
+    with tempfile.TemporaryFile("w+") as log:  # read only if it fails: a pipe left unread could stall it
+        head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        address = f"127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            status = [str(ray), "status", f"--address={address}"]
+            while subprocess.run(status, capture_output=True, env=env).returncode != 0:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the Ray head did not start:\n{log.read()[-2000:]}")
+                time.sleep(1)
+            yield address
+        finally:
+            head.terminate()  # `--block`: it stops the processes it started
+            try:
+                head.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(head.pid, signal.SIGKILL)
+                head.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _as_dict(p: startup.Phase) -> dict:
@@ -111,6 +170,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm", type=int, default=2, help="warm runs per model after its first (default: 2)")
     parser.add_argument("--models", default="demo,smollm2", help="comma-separated: demo, smollm2")
+    parser.add_argument(
+        "--joined", type=int, default=2, help="warm runs per model that join a running Ray head (default: 2)"
+    )
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "cluster.model.kernel_build"], cwd=ROOT, check=True)
     runs = []
@@ -119,6 +181,12 @@ def main() -> None:
         runs.append({"model": model, "run": "first", "cold_page_cache": cold, **serve_once(model)})
         for i in range(args.warm):
             runs.append({"model": model, "run": f"warm {i + 1}", "cold_page_cache": False, **serve_once(model)})
+    if args.joined:
+        with ray_head(os.cpu_count() or 2) as address:
+            for model in args.models.split(","):
+                for i in range(args.joined):
+                    run = {"model": model, "run": f"Ray up {i + 1}", "cold_page_cache": False}
+                    runs.append({**run, **serve_once(model, address)})
     print(f"tandem serve to ready, s; {cpu_kind()} CPU, {os.cpu_count()} cores; first runs on a "
           f"{'cold' if all(r['cold_page_cache'] for r in runs if r['run'] == 'first') else 'warm (could not drop it)'} "
           "page cache")  # fmt: skip
@@ -126,10 +194,13 @@ def main() -> None:
     verdicts = {}
     for model in args.models.split(","):
         first = next(r["to_ready_s"] for r in runs if r["model"] == model and r["run"] == "first")
-        warm = statistics.median(r["to_ready_s"] for r in runs if r["model"] == model and r["run"] != "first")
+        warm = statistics.median(r["to_ready_s"] for r in runs if r["model"] == model and r["run"].startswith("warm"))
+        joined = [r["to_ready_s"] for r in runs if r["model"] == model and r["run"].startswith("Ray up")]
         verdicts[model] = {"first_s": first, "warm_median_s": warm, "first_goal_met": first <= GOALS["first"],
-                           "warm_goal_met": warm <= GOALS["warm"]}  # fmt: skip
-        print(f"{model}: first {first:.1f} s (goal {GOALS['first']:g}), warm {warm:.1f} s (goal {GOALS['warm']:g})")
+                           "warm_goal_met": warm <= GOALS["warm"],
+                           "ray_up_median_s": statistics.median(joined) if joined else None}  # fmt: skip
+        print(f"{model}: first {first:.1f} s (goal {GOALS['first']:g}), warm {warm:.1f} s (goal {GOALS['warm']:g})"
+              + (f", joining a running Ray {statistics.median(joined):.1f} s" if joined else ""))  # fmt: skip
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"serve_start{results_suffix()}"
     meta = {"cpu": cpu_kind(), "cores": os.cpu_count(), "goals_s": GOALS}

@@ -5,6 +5,7 @@ With `--verbose` it says where its start spent its time."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,14 +45,19 @@ def test_a_missing_model_is_a_clear_error(tmp_path):
         serve_config(model=tmp_path / "nowhere")
 
 
-def serve(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def serve(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [TANDEM, "serve", *args, "--port", "0", "--num-cpus", "2", "--prompt", "def add(a, b):"]
-    return subprocess.run([*command, "--max-tokens", "6"], cwd=cwd, capture_output=True, text=True, timeout=300)
+    run_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [*command, "--max-tokens", "6"], cwd=cwd, capture_output=True, text=True, timeout=300, env=run_env
+    )
 
 
 @pytest.mark.slow
 def test_serve_without_arguments_answers_on_the_bundled_model_and_says_where_its_start_went(tmp_path):
-    result = serve(["--verbose"], cwd=tmp_path)  # not the repository: nothing is read relative to it
+    # Not the repository: nothing is read relative to it. No `ray_address`: a Ray of its own, never
+    # one that `ray start` left running here, nor one in RAY_ADDRESS (nothing listens at port 1).
+    result = serve(["--verbose"], cwd=tmp_path, env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert result.returncode == 0, result.stderr
     assert "starting Ray and the tandem-demo-code pools" in result.stderr
     assert result.stdout.startswith("def add(a, b):") and len(result.stdout) > len("def add(a, b):")

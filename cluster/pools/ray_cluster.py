@@ -400,7 +400,10 @@ def start(
             redis, prefix = ray_head.redis_options(config.ray_ha)
             local.update(redis)
         with startup.phase("Ray"):
-            ray.init(address=config.ray_address, namespace=namespace, **{**local, **ray_init})
+            # "local": unset, a Ray of its own, never one `ray start` left running on this machine (which
+            # `ray.init` would otherwise join, as it would an address in RAY_ADDRESS)
+            address = config.ray_address or "local"
+            ray.init(address=address, namespace=namespace, **{**local, **ray_init})
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True).remote()
     cluster = RayCluster(config, namespace, {CONTROLLER: controller}, started_ray=started)
     if head_ha:
