@@ -115,7 +115,7 @@ def cluster_rows(num_prompts: int) -> dict:
     from router.service.server import from_config
 
     long, short = bench_requests(num_prompts, 128, 64), bench_requests(16, 32, 16, seed=1)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="tandem-router-scale", log_to_driver=False)
+    ray.init("local", num_cpus=2, include_dashboard=False, namespace="tandem-router-scale", log_to_driver=False)
     cluster = ray_cluster.start(cluster_config(), namespace="tandem-router-scale")
     routers = {flag: from_config(cluster_config(flag), cluster.discover) for flag in (True, False)}
     try:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import yaml
@@ -125,12 +125,23 @@ def ray_head(cores: int) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 os.killpg(head.pid, signal.SIGKILL)
                 head.wait()
+            # `ray start` names its head in this file for a later `ray.init()` to join, and only
+            # `ray stop` removes it: left behind, it would send every such call to a head now gone
+            current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+            if current.exists() and current.read_text().strip().endswith(f":{port}"):
+                current.unlink()
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def median(runs: Iterable[dict]) -> float | None:
+    """The runs' median time to ready; None for none."""
+    times = [r["to_ready_s"] for r in runs]
+    return statistics.median(times) if times else None
 
 
 def _as_dict(p: startup.Phase) -> dict:
@@ -194,13 +205,15 @@ def main() -> None:
     verdicts = {}
     for model in args.models.split(","):
         first = next(r["to_ready_s"] for r in runs if r["model"] == model and r["run"] == "first")
-        warm = statistics.median(r["to_ready_s"] for r in runs if r["model"] == model and r["run"].startswith("warm"))
-        joined = [r["to_ready_s"] for r in runs if r["model"] == model and r["run"].startswith("Ray up")]
+        warm = median(r for r in runs if r["model"] == model and r["run"].startswith("warm"))
+        joined = median(r for r in runs if r["model"] == model and r["run"].startswith("Ray up"))
         verdicts[model] = {"first_s": first, "warm_median_s": warm, "first_goal_met": first <= GOALS["first"],
-                           "warm_goal_met": warm <= GOALS["warm"],
-                           "ray_up_median_s": statistics.median(joined) if joined else None}  # fmt: skip
-        print(f"{model}: first {first:.1f} s (goal {GOALS['first']:g}), warm {warm:.1f} s (goal {GOALS['warm']:g})"
-              + (f", joining a running Ray {statistics.median(joined):.1f} s" if joined else ""))  # fmt: skip
+                           "warm_goal_met": warm is not None and warm <= GOALS["warm"],
+                           "ray_up_median_s": joined}  # fmt: skip
+        said = [f"first {first:.1f} s (goal {GOALS['first']:g})"]
+        said += [f"warm {warm:.1f} s (goal {GOALS['warm']:g})"] if warm is not None else []
+        said += [f"joining a running Ray {joined:.1f} s"] if joined is not None else []
+        print(f"{model}: {', '.join(said)}")
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"serve_start{results_suffix()}"
     meta = {"cpu": cpu_kind(), "cores": os.cpu_count(), "goals_s": GOALS}

@@ -103,7 +103,7 @@ def cluster_rows(core: str, num_prompts: int, model: Path, dtype: str) -> dict:
 
     base = cluster_config(model=model, dtype=dtype)
     config = base.model_copy(update={"scheduler": base.scheduler.model_copy(update={"engine_core": core})})
-    ray.init(num_cpus=2, include_dashboard=False, namespace=f"tandem-serving-{core}", log_to_driver=False)
+    ray.init("local", num_cpus=2, include_dashboard=False, namespace=f"tandem-serving-{core}", log_to_driver=False)
     cluster = ray_cluster.start(config, namespace=f"tandem-serving-{core}")
     router = from_config(config, cluster.discover)
     try:

@@ -50,7 +50,7 @@ def config():
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-chaos-tests", log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, namespace="tandem-chaos-tests", log_to_driver=False)
     cfg = config()
     handle = ray_cluster.start(cfg, namespace="tandem-chaos")
     router = from_config(cfg, handle.discover, handle)

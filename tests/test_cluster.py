@@ -54,7 +54,7 @@ def config(transport: str):
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, namespace="tandem-tests", log_to_driver=False)
     yield
     ray.shutdown()
 

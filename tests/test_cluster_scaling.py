@@ -49,7 +49,7 @@ def config():
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-scaling-tests", log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, namespace="tandem-scaling-tests", log_to_driver=False)
     cfg = config()
     handle = ray_cluster.start(cfg, namespace="tandem-scaling")
     router = from_config(cfg, handle.discover, handle)

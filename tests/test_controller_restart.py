@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-controller-tests", log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, namespace="tandem-controller-tests", log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

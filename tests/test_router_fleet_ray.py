@@ -50,7 +50,7 @@ def config():
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-fleet-tests", log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, namespace="tandem-fleet-tests", log_to_driver=False)
     handle = ray_cluster.start(config(), namespace=NAMESPACE)
     yield handle
     handle.shutdown()

@@ -91,12 +91,13 @@ def test_a_core_sends_its_phases_with_its_hello_and_never_runs_its_parents_scrip
 
 
 FRONT_MARK = None  # set by a front before its core starts: a forked core sees it, a spawned one does not
+TITLE = None  # set in a forked core by its front's `retitle`
 
 
 def marked_core(commands, events, config_json: str) -> None:  # type: ignore[no-untyped-def]
     with startup.phase("model"):
         pass
-    core_process.say_hello(events, str(FRONT_MARK))
+    core_process.say_hello(events, f"{FRONT_MARK}, {TITLE}")
 
 
 def test_the_next_core_of_a_front_that_has_only_imported_forks_from_it_and_later_ones_are_spawned():
@@ -112,7 +113,7 @@ def test_the_next_core_of_a_front_that_has_only_imported_forks_from_it_and_later
         with startup.phase("front's imports"):
             pass
         config = parse_config({{"model": {{"path": {str(ROOT / "models" / "tandem-demo-code")!r}}}}})
-        core_process.fork_next_core()
+        core_process.fork_next_core(lambda title: setattr(t, "TITLE", title))
         marks = []
         for _ in range(2):
             process, _, _, mark, _ = core_process.spawn(t.marked_core, config, "core", timeout_s=120)
@@ -125,7 +126,7 @@ def test_the_next_core_of_a_front_that_has_only_imported_forks_from_it_and_later
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=180)
     assert result.returncode == 0, result.stderr
     forked, spawned, *lines = result.stdout.splitlines()
-    assert (forked, spawned) == ("the front's", "None")
+    assert (forked, spawned) == ("the front's, tandem::core", "None, None")
     front, first, second = startup.parse(lines)
     assert front.name == "front's imports"
     for core in (first, second):  # each core's own phases only

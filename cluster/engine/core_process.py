@@ -43,17 +43,18 @@ log = logging.getLogger(__name__)
 IDLE_WAKE_S = 0.5
 
 
-_fork_next = False  # set by `fork_next_core`, taken by the next `spawn`
+_fork_next: tuple[Callable[[str], None]] | None = None  # set by `fork_next_core`, taken by the next `spawn`
 
 
-def fork_next_core() -> None:
+def fork_next_core(retitle: Callable[[str], None] = lambda title: None) -> None:
     """Says this process has done nothing yet but import (a served worker's, before it builds its
     engine): its next core starts as a fork of it, with every module already imported, rather than
     as a fresh interpreter that imports them all again (about 3 s of a worker's start on two cores).
     Only the next: once a process has run torch's OpenMP regions (GNU OpenMP's threads hang in a
-    forked child that uses them) or CUDA, a core must start afresh, so later ones are spawned."""
+    forked child that uses them) or CUDA, a core must start afresh, so later ones are spawned.
+    `retitle(title)` names the forked process as `ps` shows it (else it shows its front's title)."""
     global _fork_next
-    _fork_next = True
+    _fork_next = (retitle,)
 
 
 class CoreDied(RuntimeError):
@@ -71,12 +72,16 @@ def spawn(
     start is noted here as the phase "engine core" (`cluster.startup`). It starts as a fork of this
     process where `fork_next_core` said it may, else spawned."""
     global _fork_next
-    fork, _fork_next = _fork_next and not _cuda_started(), False
+    fork, _fork_next = (_fork_next if not _cuda_started() else None), None
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
     commands_theirs, commands = ctx.Pipe(duplex=False)
     events, events_theirs = ctx.Pipe(duplex=False)
+    target = main
+    if fork:
+        (retitle,) = fork
+        target = functools.partial(_forked, main, (commands, events), functools.partial(retitle, f"tandem::{name}"))
     process = ctx.Process(
-        target=functools.partial(_forked, main, (commands, events)) if fork else main,
+        target=target,
         args=(commands_theirs, events_theirs, dump_config(config)),
         name=name,
         daemon=True,
@@ -108,13 +113,14 @@ def _cuda_started() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _forked(main: Callable[..., None], fronts: tuple[Any, ...], *args: Any) -> None:
+def _forked(main: Callable[..., None], fronts: tuple[Any, ...], retitle: Callable[[], None], *args: Any) -> None:
     """A forked core's start: the front's ends of the pipes (held here, the core would never see its
-    front go), what the front noted of its own start, and the signal handlers its host installed
-    (Ray's, in a served worker) are not the core's."""
+    front go), what the front noted of its own start, the signal handlers its host installed (Ray's,
+    in a served worker) and its process title are not the core's."""
     for end in fronts:
         end.close()
     startup.taken()
+    retitle()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     main(*args)

@@ -78,7 +78,7 @@ class WorkerActor:
         config = ClusterConfig.model_validate_json(config_json)
         with startup.phase("imports"):
             service = importlib.import_module(ROLES[role])
-        core_process.fork_next_core()  # this process has only imported yet
+        core_process.fork_next_core(ray._raylet.setproctitle)  # this process has only imported yet
         self.worker = service.from_config(config, name)
         self.worker.on_fatal = _exit_for_a_restart
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
