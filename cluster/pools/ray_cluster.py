@@ -78,7 +78,8 @@ class WorkerActor:
         config = ClusterConfig.model_validate_json(config_json)
         with startup.phase("imports"):
             service = importlib.import_module(ROLES[role])
-        core_process.fork_next_core(ray._raylet.setproctitle)  # this process has only imported yet
+        if config.scheduler.engine_core == "process":  # its core forks from this process, which has only imported
+            core_process.fork_next_core(getattr(ray._raylet, "setproctitle", lambda title: None))
         self.worker = service.from_config(config, name)
         self.worker.on_fatal = _exit_for_a_restart
         node_ip = ray.util.get_node_ip_address() if host == "node" else host
