@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT / "proto"))
 from benchmarks.plots import Panel, bar_panels  # noqa: E402
 from cluster import startup  # noqa: E402
 from cluster.cpu import cpu_kind, results_suffix  # noqa: E402
+from tests.net import free_port  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -101,12 +101,17 @@ def joining(args: list[str], ray_address: str) -> Path:
 @contextlib.contextmanager
 def ray_head(cores: int) -> Iterator[str]:
     """A Ray head of its own (`ray start --head --block`, dashboard and all), stopped with its
-    processes when done (never `ray stop`: it would stop every Ray on the machine)."""
+    processes when done (never `ray stop`: it would stop every Ray on the machine). Its folder is
+    its own too: `ray start` names its head there for a later `ray.init()` to join, and only `ray
+    stop` would remove that name from Ray's shared folder."""
     port = free_port()
     ray = Path(sys.executable).parent / "ray"
     command = [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={cores}", "--disable-usage-stats"]
     env = dict(os.environ, **JOINING_ENV)
-    with tempfile.TemporaryFile("w+") as log:  # read only if it fails: a pipe left unread could stall it
+    # The folder's path short (Ray's socket paths are bounded); its log read only if it fails (a pipe
+    # left unread could stall it).
+    with tempfile.TemporaryDirectory(prefix="tss-", dir="/tmp") as folder, tempfile.TemporaryFile("w+") as log:
+        command.append(f"--temp-dir={folder}")
         head = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         address = f"127.0.0.1:{port}"
         try:
@@ -125,17 +130,6 @@ def ray_head(cores: int) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 os.killpg(head.pid, signal.SIGKILL)
                 head.wait()
-            # `ray start` names its head in this file for a later `ray.init()` to join, and only
-            # `ray stop` removes it: left behind, it would send every such call to a head now gone
-            current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-            if current.exists() and current.read_text().strip().endswith(f":{port}"):
-                current.unlink()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median(runs: Iterable[dict]) -> float | None:

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 IDLE_WAKE_S = 0.5
 
 
-_fork_next: tuple[Callable[[str], None]] | None = None  # set by `fork_next_core`, taken by the next `spawn`
+_fork_next: Callable[[str], None] | None = None  # `fork_next_core`'s `retitle`, taken by the next `spawn`
 
 
 def fork_next_core(retitle: Callable[[str], None] = lambda title: None) -> None:
@@ -54,7 +54,7 @@ def fork_next_core(retitle: Callable[[str], None] = lambda title: None) -> None:
     forked child that uses them) or CUDA, a core must start afresh, so later ones are spawned.
     `retitle(title)` names the forked process as `ps` shows it (else it shows its front's title)."""
     global _fork_next
-    _fork_next = (retitle,)
+    _fork_next = retitle
 
 
 class CoreDied(RuntimeError):
@@ -72,13 +72,12 @@ def spawn(
     start is noted here as the phase "engine core" (`cluster.startup`). It starts as a fork of this
     process where `fork_next_core` said it may, else spawned."""
     global _fork_next
-    fork, _fork_next = (_fork_next if not _cuda_started() else None), None
-    ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    retitle, _fork_next = (_fork_next if not _cuda_started() else None), None
+    ctx = multiprocessing.get_context("spawn" if retitle is None else "fork")
     commands_theirs, commands = ctx.Pipe(duplex=False)
     events, events_theirs = ctx.Pipe(duplex=False)
     target = main
-    if fork:
-        (retitle,) = fork
+    if retitle is not None:
         target = functools.partial(_forked, main, (commands, events), functools.partial(retitle, f"tandem::{name}"))
     process = ctx.Process(
         target=target,
